@@ -1,0 +1,47 @@
+// Out-of-band TCP channel used for the connection handshake (never for data on the RDMA transport).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "wire/wire.h"
+
+namespace hixl::oob {
+
+using Clock = std::chrono::steady_clock;
+
+class Socket {
+ public:
+  Socket() = default;
+  explicit Socket(int fd) : fd_(fd) {}
+  ~Socket();
+  Socket(Socket&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
+  Socket& operator=(Socket&& o) noexcept;
+  Socket(const Socket&) = delete;
+  Socket& operator=(const Socket&) = delete;
+  int fd() const { return fd_; }
+  bool valid() const { return fd_ >= 0; }
+  void close() noexcept;
+
+ private:
+  int fd_ = -1;
+};
+
+// Parses "ip:port", "[v6]:port", "ip" (port -1 then). Throws hixl::Error on malformed input.
+std::pair<std::string, int> split_host_port(const std::string& s);
+
+// Binds exactly the given address (no wildcard unless asked) and listens; returns the socket and port.
+std::pair<Socket, uint16_t> listen_tcp(const std::string& host, uint16_t port, int backlog = 64);
+// Waits up to timeout for a connection; returns an invalid Socket on timeout.
+Socket accept_tcp(const Socket& listener, std::chrono::milliseconds timeout);
+// Connects with a deadline; throws hixl::Error (naming host, port, errno) on refusal or timeout.
+Socket connect_tcp(const std::string& host, uint16_t port, std::chrono::milliseconds timeout);
+
+void send_all(const Socket& s, const std::vector<uint8_t>& data, Clock::time_point deadline);
+// Reads one frame; the payload is bounded by wire::kMaxPayload before anything is allocated.
+std::pair<wire::Header, std::vector<uint8_t>> recv_frame(const Socket& s, Clock::time_point deadline);
+
+}  // namespace hixl::oob

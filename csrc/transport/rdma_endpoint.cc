@@ -1,0 +1,560 @@
+#include "transport/rdma_endpoint.h"
+
+#include <arpa/inet.h>
+
+#include <algorithm>
+#include <random>
+#include <thread>
+
+#include "verbs/error.h"
+#include "verbs/log.h"
+
+namespace hixl::rdma {
+
+using std::chrono::milliseconds;
+using Clock = std::chrono::steady_clock;
+
+const char* op_name(Op op) {
+  switch (op) {
+    case Op::kRead: return "RDMA_READ";
+    case Op::kWrite: return "RDMA_WRITE";
+    case Op::kWriteImm: return "RDMA_WRITE_WITH_IMM";
+  }
+  return "?";
+}
+
+namespace {
+
+uint32_t random_psn() {
+  static std::mutex mu;
+  static std::mt19937 rng(std::random_device{}());
+  std::lock_guard<std::mutex> g(mu);
+  return rng() & 0xffffff;
+}
+
+uint32_t wire_access(int verbs_access) {
+  uint32_t a = 0;
+  if (verbs_access & IBV_ACCESS_REMOTE_READ) a |= wire::kRemoteRead;
+  if (verbs_access & IBV_ACCESS_REMOTE_WRITE) a |= wire::kRemoteWrite;
+  return a;
+}
+
+}  // namespace
+
+Endpoint::Endpoint(const EndpointOptions& opts) : opts_(opts) {
+  if (opts_.sq_depth < 2) throw Error("Endpoint: sq_depth=" + std::to_string(opts_.sq_depth) + " must be >= 2");
+  if (opts_.rq_depth < 1) throw Error("Endpoint: rq_depth must be >= 1");
+  if (opts_.slice_bytes == 0) throw Error("Endpoint: slice_bytes must be > 0");
+  if (opts_.max_chain == 0) opts_.max_chain = 1;
+  pd_ = verbs::ProtectionDomain::shared_for(opts_.device);
+  const auto& ctx = pd_->context();
+  const ibv_device_attr& da = ctx->attr();
+  port_info_ = ctx->query_port(opts_.port);
+  if (port_info_.state != IBV_PORT_ACTIVE)
+    throw Error("Endpoint: device " + ctx->name() + " port " + std::to_string(opts_.port) + " is not ACTIVE (state " +
+                ibv_port_state_str(port_info_.state) + ")");
+  gid_index_ = ctx->select_gid_index(opts_.port, opts_.gid_index);
+  gid_ = ctx->query_gid(opts_.port, gid_index_);
+  if (port_info_.max_msg_sz && opts_.slice_bytes > port_info_.max_msg_sz) opts_.slice_bytes = port_info_.max_msg_sz;
+
+  uint32_t sq = std::min<uint32_t>(opts_.sq_depth, uint32_t(da.max_qp_wr));
+  uint32_t rq = std::min<uint32_t>(opts_.rq_depth, uint32_t(da.max_qp_wr));
+  send_ch_ = std::make_shared<verbs::CompletionChannel>(ctx);
+  recv_ch_ = std::make_shared<verbs::CompletionChannel>(ctx);
+  send_cq_ = std::make_shared<verbs::CompletionQueue>(ctx, send_ch_, std::min<int>(int(sq) + 1, da.max_cqe));
+  recv_cq_ = std::make_shared<verbs::CompletionQueue>(ctx, recv_ch_, std::min<int>(int(rq) + 1, da.max_cqe));
+  verbs::QpCaps caps;
+  caps.max_send_wr = sq;
+  caps.max_recv_wr = rq;
+  caps.max_send_sge = 1;
+  caps.max_inline = opts_.max_inline;
+  try {
+    qp_ = std::make_unique<verbs::QueuePair>(pd_, send_cq_, recv_cq_, caps);
+  } catch (const Error& e) {
+    if (!caps.max_inline) throw;
+    log::info(std::string("inline data refused, retrying without: ") + e.what());
+    caps.max_inline = 0;
+    qp_ = std::make_unique<verbs::QueuePair>(pd_, send_cq_, recv_cq_, caps);
+  }
+  opts_.max_inline = qp_->caps().max_inline;
+  // Keep one slot of slack: the provider may report more than we asked for, we use what we asked.
+  sq_depth_ = std::min(sq, qp_->caps().max_send_wr);
+  signal_every_ = std::max<uint32_t>(1, sq_depth_ / 4);
+  opts_.max_chain = std::min(opts_.max_chain, sq_depth_);
+  wrs_.resize(opts_.max_chain);
+  sges_.resize(opts_.max_chain);
+  psn_ = random_psn();
+  qp_->to_init(opts_.port, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ);
+  post_recvs(qp_->caps().max_recv_wr < rq ? qp_->caps().max_recv_wr : rq);
+  log::debug("endpoint on " + ctx->name() + " port " + std::to_string(opts_.port) + " gid[" +
+             std::to_string(gid_index_) + "]=" + verbs::gid_to_string(gid_) + " qpn " + std::to_string(qp_->qpn()));
+}
+
+Endpoint::~Endpoint() {
+  try { close(); } catch (const std::exception& e) { log::warn(std::string("Endpoint teardown: ") + e.what()); }
+}
+
+LocalInfo Endpoint::local_info() const {
+  LocalInfo li;
+  li.hello.qpn = qp_->qpn();
+  li.hello.psn = psn_;
+  li.hello.lid = port_info_.lid;
+  li.hello.mtu = uint16_t(verbs::mtu_to_bytes(port_info_.active_mtu));
+  li.hello.port = opts_.port;
+  li.hello.gid = gid_;
+  {
+    std::lock_guard<std::mutex> g(reg_mu_);
+    for (const auto& [h, mr] : regions_) {
+      (void)h;
+      li.hello.regions.push_back({mr->addr(), mr->length(), mr->rkey(), wire_access(mr->access())});
+    }
+  }
+  li.device = pd_->context()->name();
+  li.gid_index = gid_index_;
+  li.link_layer = port_info_.link_layer;
+  return li;
+}
+
+std::optional<wire::Hello> Endpoint::remote() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return remote_;
+}
+
+void Endpoint::connect(const wire::Hello& r) {
+  std::lock_guard<std::mutex> g(mu_);
+  if (closed_) throw Error("Endpoint::connect: endpoint is closed");
+  if (connected_) throw Error("Endpoint::connect: already connected to qpn " + std::to_string(remote_->qpn));
+  if (r.qpn == 0 || r.qpn > 0xffffff) throw Error("Endpoint::connect: remote qpn " + std::to_string(r.qpn) + " out of range");
+  verbs::QpRemote qr;
+  qr.qpn = r.qpn;
+  qr.psn = r.psn & 0xffffff;
+  qr.lid = r.lid;
+  qr.gid = r.gid;
+  ibv_mtu remote_mtu = verbs::mtu_from_bytes(r.mtu);
+  qr.mtu = std::min(remote_mtu, port_info_.active_mtu);
+  verbs::QpPathOptions p;
+  p.port = opts_.port;
+  p.gid_index = gid_index_;
+  p.use_grh = port_info_.link_layer == IBV_LINK_LAYER_ETHERNET || !std::all_of(r.gid.begin(), r.gid.end(), [](uint8_t b) { return b == 0; });
+  p.traffic_class = opts_.traffic_class;
+  p.service_level = opts_.service_level;
+  p.timeout = opts_.timeout;
+  p.retry_cnt = opts_.retry_cnt;
+  const ibv_device_attr& da = pd_->context()->attr();
+  p.max_rd_atomic = uint8_t(std::max(1, std::min({16, da.max_qp_rd_atom, da.max_qp_init_rd_atom})));
+  qp_->to_rtr(qr, p);
+  qp_->to_rts(psn_, p);
+  remote_ = r;
+  connected_ = true;
+  log::info("connected qpn " + std::to_string(qp_->qpn()) + " -> remote qpn " + std::to_string(r.qpn) + " gid " +
+            verbs::gid_to_string(r.gid) + " path_mtu " + std::to_string(verbs::mtu_to_bytes(qr.mtu)));
+}
+
+uint16_t Endpoint::listen(const std::string& host, uint16_t port) {
+  auto [s, bound] = oob::listen_tcp(host, port);
+  listener_ = std::move(s);
+  return bound;
+}
+
+wire::Hello Endpoint::handshake(oob::Socket& s, bool server, milliseconds timeout) {
+  auto deadline = Clock::now() + timeout;
+  auto read_hello = [&]() {
+    auto [h, payload] = oob::recv_frame(s, deadline);
+    if (h.type == wire::FrameType::kReject)
+      throw Error("handshake: peer rejected us: " + std::string(payload.begin(), payload.end()));
+    if (h.type != wire::FrameType::kHello) throw Error("handshake: expected hello, got frame type " + std::to_string(int(h.type)));
+    return wire::parse_hello(payload.data(), payload.size());
+  };
+  auto mine = wire::encode_hello(local_info().hello);
+  wire::Hello peer;
+  if (server) {
+    try {
+      peer = read_hello();
+    } catch (const Error& e) {
+      try { oob::send_all(s, wire::encode_reject(e.what()), deadline); } catch (...) {}
+      throw;
+    }
+    connect(peer);  // RTR before we answer: the client may write as soon as it has our reply
+    oob::send_all(s, mine, deadline);
+    auto [h, payload] = oob::recv_frame(s, deadline);
+    if (h.type != wire::FrameType::kReady) throw Error("handshake: expected READY from the client");
+  } else {
+    oob::send_all(s, mine, deadline);
+    peer = read_hello();
+    connect(peer);
+    oob::send_all(s, wire::encode_ready(), deadline);
+  }
+  return peer;
+}
+
+wire::Hello Endpoint::accept(milliseconds timeout) {
+  if (!listener_.valid()) throw Error("Endpoint::accept: call listen() first");
+  oob::Socket s = oob::accept_tcp(listener_, timeout);
+  if (!s.valid()) throw Error("Endpoint::accept(timeout_ms=" + std::to_string(timeout.count()) + "): no peer connected", ETIMEDOUT);
+  return handshake(s, true, timeout);
+}
+
+wire::Hello Endpoint::connect_tcp(const std::string& host, uint16_t port, milliseconds timeout) {
+  auto start = Clock::now();
+  oob::Socket s = oob::connect_tcp(host, port, timeout);
+  auto left = timeout - std::chrono::duration_cast<milliseconds>(Clock::now() - start);
+  return handshake(s, false, std::max(left, milliseconds(1)));
+}
+
+uint64_t Endpoint::register_memory(void* addr, size_t len, int access) {
+  if (!addr || len == 0)
+    throw Error(CallDesc("register_memory").hex("addr", reinterpret_cast<uint64_t>(addr)).arg("len", len).str() +
+                ": address must be non-null and length > 0");
+  if (closed_) throw Error("register_memory: endpoint is closed");
+  auto mr = std::make_shared<verbs::MemoryRegion>(pd_, addr, len, access);
+  std::lock_guard<std::mutex> g(reg_mu_);
+  uint64_t h = next_handle_++;
+  regions_[h] = std::move(mr);
+  return h;
+}
+
+void Endpoint::deregister_memory(uint64_t handle) {
+  std::shared_ptr<verbs::MemoryRegion> mr;
+  {
+    std::lock_guard<std::mutex> g(reg_mu_);
+    auto it = regions_.find(handle);
+    if (it == regions_.end()) throw Error("deregister_memory(handle=" + std::to_string(handle) + "): unknown handle");
+    mr = std::move(it->second);
+    regions_.erase(it);
+  }
+}
+
+std::shared_ptr<verbs::MemoryRegion> Endpoint::region(uint64_t handle) const {
+  std::lock_guard<std::mutex> g(reg_mu_);
+  auto it = regions_.find(handle);
+  return it == regions_.end() ? nullptr : it->second;
+}
+
+uint32_t Endpoint::lkey_for(uint64_t addr, uint64_t len) const {
+  std::lock_guard<std::mutex> g(reg_mu_);
+  for (const auto& [h, mr] : regions_) {
+    (void)h;
+    if (mr->contains(addr, len)) return mr->lkey();
+  }
+  throw Error(CallDesc("lkey lookup").hex("local_addr", addr).arg("len", len).str() +
+              ": local range is not inside a region registered on this endpoint");
+}
+
+void Endpoint::check_usable_locked() const {
+  if (closed_) throw Error("endpoint is closed");
+  if (!connected_) throw Error("endpoint is not connected");
+  if (dead_) throw Error("endpoint is in error state: " + dead_reason_);
+}
+
+void Endpoint::fail_all_locked(const std::string& why) {
+  for (auto& [seq, id] : inflight_) {
+    (void)seq;
+    auto it = reqs_.find(id);
+    if (it != reqs_.end() && it->second.status == Status::kWaiting) {
+      it->second.status = Status::kFailed;
+      it->second.error = why;
+    }
+  }
+  inflight_.clear();
+  completed_seq_ = next_seq_;
+}
+
+int Endpoint::progress_locked(int budget) {
+  ibv_wc wc[32];
+  int total = 0;
+  while (total < budget) {
+    int n = send_cq_->poll(wc, std::min(32, budget - total));
+    if (n == 0) break;
+    total += n;
+    for (int i = 0; i < n; ++i) {
+      if (wc[i].status != IBV_WC_SUCCESS) {
+        if (dead_) continue;  // flush errors after the first failure, or during teardown
+        std::string why = std::string("work completion failed: ") + verbs::wc_to_string(wc[i]) + " on qpn " +
+                          std::to_string(qp_->qpn());
+        if (wc[i].status == IBV_WC_RETRY_EXC_ERR)
+          why += " (peer unreachable or its QP is gone: did the peer process exit?)";
+        else if (wc[i].status == IBV_WC_REM_ACCESS_ERR)
+          why += " (remote address/rkey/access not permitted by the peer's memory region)";
+        else if (wc[i].status == IBV_WC_LOC_PROT_ERR || wc[i].status == IBV_WC_LOC_LEN_ERR)
+          why += " (local buffer not covered by a registered memory region)";
+        dead_reason_ = why;
+        dead_ = true;
+        log::error(why);
+        fail_all_locked(why);
+        continue;
+      }
+      if (wc[i].wr_id > completed_seq_) completed_seq_ = wc[i].wr_id;
+    }
+  }
+  retire_completed_locked();
+  return total;
+}
+
+void Endpoint::retire_completed_locked() {
+  while (!inflight_.empty() && inflight_.front().first <= completed_seq_) {
+    auto it = reqs_.find(inflight_.front().second);
+    if (it != reqs_.end() && it->second.status == Status::kWaiting) it->second.status = Status::kCompleted;
+    inflight_.pop_front();
+  }
+}
+
+int Endpoint::progress(int budget) {
+  std::lock_guard<std::mutex> g(mu_);
+  if (!connected_ || closed_) return 0;
+  return progress_locked(budget);
+}
+
+uint32_t Endpoint::outstanding() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return uint32_t(next_seq_ - completed_seq_);
+}
+
+void Endpoint::wait_for_room_locked(std::unique_lock<std::mutex>& lk) {
+  // Caller holds mu_. Reap completions; block on the channel when the SQ is still full.
+  ++stats_.backpressure_waits;
+  auto spin_until = Clock::now() + std::chrono::microseconds(opts_.busy_poll_us);
+  while (next_seq_ - completed_seq_ >= sq_depth_) {
+    if (progress_locked(int(sq_depth_)) > 0 || dead_) return;
+    if (Clock::now() < spin_until) continue;
+    lk.unlock();
+    bool ev = send_cq_->wait_event(milliseconds(100));
+    lk.lock();
+    if (closed_) throw Error("endpoint closed while waiting for send-queue room");
+    (void)ev;
+  }
+}
+
+uint64_t Endpoint::submit(Op op, const std::vector<Desc>& descs, uint32_t imm, milliseconds timeout) {
+  // Validate everything before posting anything.
+  std::vector<uint32_t> lkeys(descs.size());
+  for (size_t i = 0; i < descs.size(); ++i) {
+    const Desc& d = descs[i];
+    if (d.local_addr + d.length < d.local_addr || d.remote_addr + d.length < d.remote_addr)
+      throw Error(CallDesc("submit").arg("op", op_name(op)).arg("desc", i).hex("local_addr", d.local_addr)
+                      .hex("remote_addr", d.remote_addr).arg("len", d.length).str() + ": range wraps the address space");
+    if (d.length) lkeys[i] = lkey_for(d.local_addr, d.length);
+  }
+  std::unique_lock<std::mutex> lk(mu_);
+  check_usable_locked();
+  uint64_t id = next_req_++;
+  Req& req = reqs_[id];
+  if (timeout.count() >= 0) req.deadline = Clock::now() + timeout;
+
+  // Flatten into slices: (desc index, offset, length).
+  struct Slice { size_t d; uint64_t off, len; };
+  std::vector<Slice> slices;
+  for (size_t i = 0; i < descs.size(); ++i)
+    for (uint64_t off = 0; off < descs[i].length; off += opts_.slice_bytes)
+      slices.push_back({i, off, std::min<uint64_t>(opts_.slice_bytes, descs[i].length - off)});
+  if (op == Op::kWriteImm && slices.empty()) slices.push_back({SIZE_MAX, 0, 0});  // zero-length write-with-imm
+  if (slices.empty()) {
+    req.status = Status::kCompleted;
+    req.fully_posted = true;
+    return id;
+  }
+
+  size_t next = 0;
+  while (next < slices.size()) {
+    if (dead_) break;  // the request was failed by fail_all_locked
+    if (next_seq_ - completed_seq_ >= sq_depth_) {
+      wait_for_room_locked(lk);
+      continue;
+    }
+    uint32_t room = uint32_t(sq_depth_ - (next_seq_ - completed_seq_));
+    uint32_t n = uint32_t(std::min<size_t>({size_t(room), size_t(opts_.max_chain), slices.size() - next}));
+    for (uint32_t k = 0; k < n; ++k) {
+      const Slice& s = slices[next + k];
+      ibv_send_wr& wr = wrs_[k];
+      ibv_sge& sge = sges_[k];
+      wr = ibv_send_wr{};
+      uint64_t seq = next_seq_ + 1 + k;
+      wr.wr_id = seq;
+      bool last_of_req = next + k + 1 == slices.size();
+      if (s.d != SIZE_MAX) {
+        const Desc& d = descs[s.d];
+        sge.addr = d.local_addr + s.off;
+        sge.length = uint32_t(s.len);
+        sge.lkey = lkeys[s.d];
+        wr.sg_list = &sge;
+        wr.num_sge = 1;
+        wr.wr.rdma.remote_addr = d.remote_addr + s.off;
+        wr.wr.rdma.rkey = d.rkey;
+      } else {
+        wr.wr.rdma.remote_addr = 0;
+        wr.wr.rdma.rkey = 0;
+      }
+      if (op == Op::kRead) {
+        wr.opcode = IBV_WR_RDMA_READ;
+      } else if (op == Op::kWriteImm && last_of_req) {
+        wr.opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
+        wr.imm_data = htonl(imm);
+      } else {
+        wr.opcode = IBV_WR_RDMA_WRITE;
+      }
+      if (op != Op::kRead && s.len && s.len <= opts_.max_inline) wr.send_flags |= IBV_SEND_INLINE;
+      // Selective signaling: the last WR of the request, of the chain, and every signal_every-th.
+      if (last_of_req || k + 1 == n || seq % signal_every_ == 0) {
+        wr.send_flags |= IBV_SEND_SIGNALED;
+        ++stats_.signaled;
+      }
+      wr.next = k + 1 < n ? &wrs_[k + 1] : nullptr;
+    }
+    ibv_send_wr* bad = nullptr;
+    int rc = ibv_post_send(qp_->get(), &wrs_[0], &bad);
+    if (rc != 0) {
+      // Whatever was accepted before `bad` is in flight and will complete; the rest was not posted.
+      uint32_t accepted = bad ? uint32_t(bad - &wrs_[0]) : 0;
+      std::string why = CallDesc("ibv_post_send").arg("qpn", qp_->qpn()).arg("op", op_name(op)).arg("chain", n)
+                            .arg("accepted", accepted).arg("outstanding", next_seq_ - completed_seq_).str() +
+                        " failed: " + errno_str(rc);
+      next_seq_ += accepted;
+      dead_reason_ = why;
+      dead_ = true;
+      req.status = Status::kFailed;
+      req.error = why;
+      fail_all_locked(why);
+      throw Error(why, rc);
+    }
+    next_seq_ += n;
+    next += n;
+    stats_.posted_wrs += n;
+    ++stats_.doorbells;
+  }
+  req.last_seq = next_seq_;
+  req.fully_posted = true;
+  if (req.status == Status::kWaiting && dead_) {
+    req.status = Status::kFailed;
+    req.error = dead_reason_;
+  }
+  if (req.status == Status::kWaiting) inflight_.emplace_back(next_seq_, id);
+  return id;
+}
+
+RequestResult Endpoint::status(uint64_t id) {
+  std::lock_guard<std::mutex> g(mu_);
+  if (connected_ && !closed_) progress_locked(int(sq_depth_));
+  auto it = reqs_.find(id);
+  if (it == reqs_.end()) return {Status::kFailed, "unknown request " + std::to_string(id)};
+  Req& r = it->second;
+  if (r.status == Status::kWaiting && Clock::now() >= r.deadline) {
+    r.status = Status::kTimeout;
+    r.error = "request " + std::to_string(id) + " passed its deadline";
+  }
+  if (r.status == Status::kWaiting) return {Status::kWaiting, ""};
+  RequestResult out{r.status, r.error};
+  reqs_.erase(it);
+  return out;
+}
+
+RequestResult Endpoint::wait(uint64_t id, milliseconds timeout) {
+  auto deadline = Clock::now() + timeout;
+  auto spin_until = Clock::now() + std::chrono::microseconds(opts_.busy_poll_us);
+  for (;;) {
+    RequestResult r = status(id);
+    if (r.status != Status::kWaiting) return r;
+    auto now = Clock::now();
+    if (now >= deadline) return r;
+    if (now < spin_until) continue;
+    auto left = std::chrono::duration_cast<milliseconds>(deadline - now);
+    send_cq_->wait_event(std::clamp(left, milliseconds(1), milliseconds(100)));
+  }
+}
+
+void Endpoint::post_recvs(uint32_t n) {
+  // WRITE_WITH_IMM consumes a receive but no buffer: zero-SGE receives.
+  std::vector<ibv_recv_wr> wrs(n);
+  for (uint32_t i = 0; i < n; ++i) {
+    wrs[i] = ibv_recv_wr{};
+    wrs[i].wr_id = i;
+    wrs[i].next = i + 1 < n ? &wrs[i + 1] : nullptr;
+  }
+  if (!n) return;
+  ibv_recv_wr* bad = nullptr;
+  HIXL_CHECK_RET(ibv_post_recv(qp_->get(), &wrs[0], &bad),
+                 CallDesc("ibv_post_recv").arg("qpn", qp_->qpn()).arg("count", n).str());
+}
+
+void Endpoint::handle_recv_wc(const ibv_wc& wc, std::vector<uint32_t>& out) {
+  if (wc.status != IBV_WC_SUCCESS) {
+    if (!closed_ && !dead_) {
+      std::lock_guard<std::mutex> g(mu_);
+      dead_reason_ = std::string("receive completion failed: ") + verbs::wc_to_string(wc);
+      dead_ = true;
+      log::error(dead_reason_);
+    }
+    return;
+  }
+  if (wc.opcode == IBV_WC_RECV_RDMA_WITH_IMM || (wc.wc_flags & IBV_WC_WITH_IMM)) {
+    out.push_back(ntohl(wc.imm_data));
+  }
+}
+
+std::vector<uint32_t> Endpoint::poll_imm(size_t max) {
+  std::vector<uint32_t> out;
+  std::lock_guard<std::mutex> g(recv_mu_);
+  while (!imm_backlog_.empty() && out.size() < max) {
+    out.push_back(imm_backlog_.front());
+    imm_backlog_.pop_front();
+  }
+  if (closed_) return out;
+  ibv_wc wc[32];
+  while (out.size() < max) {
+    int n = recv_cq_->poll(wc, 32);
+    if (n == 0) break;
+    std::vector<uint32_t> got;
+    for (int i = 0; i < n; ++i) handle_recv_wc(wc[i], got);
+    if (!dead_) post_recvs(uint32_t(n));  // replenish what was consumed
+    stats_.imm_received += got.size();
+    for (uint32_t v : got) {
+      if (out.size() < max) out.push_back(v);
+      else imm_backlog_.push_back(v);
+    }
+  }
+  return out;
+}
+
+std::optional<uint32_t> Endpoint::wait_imm(milliseconds timeout) {
+  auto deadline = Clock::now() + timeout;
+  for (;;) {
+    auto v = poll_imm(1);
+    if (!v.empty()) return v[0];
+    auto now = Clock::now();
+    if (now >= deadline || closed_) return std::nullopt;
+    auto left = std::chrono::duration_cast<milliseconds>(deadline - now);
+    recv_cq_->wait_event(std::clamp(left, milliseconds(1), milliseconds(100)));
+  }
+}
+
+std::string Endpoint::dead_reason() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return dead_reason_;
+}
+
+Stats Endpoint::stats() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return stats_;
+}
+
+void Endpoint::close() {
+  if (closed_.exchange(true)) return;
+  listener_.close();
+  if (!qp_) return;
+  std::lock_guard<std::mutex> g(mu_);
+  qp_->to_error();  // hardware flushes in-flight work
+  // Reap what finished before the flush; the first flushed (or failed) completion ends the drain.
+  auto deadline = Clock::now() + milliseconds(500);
+  ibv_wc wc[32];
+  bool flushed = false;
+  while (!inflight_.empty() && !flushed && Clock::now() < deadline) {
+    int n = send_cq_->poll(wc, 32);
+    for (int i = 0; i < n; ++i) {
+      if (wc[i].status != IBV_WC_SUCCESS) flushed = true;
+      else if (wc[i].wr_id > completed_seq_) completed_seq_ = wc[i].wr_id;
+    }
+    retire_completed_locked();
+    if (n == 0) std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  fail_all_locked("endpoint closed before the request completed");
+}
+
+}  // namespace hixl::rdma

@@ -1,0 +1,179 @@
+// One RC connection over libibverbs: registration, one-sided WRITE / READ / WRITE_WITH_IMM,
+// doorbell batching, selective signaling, send-queue backpressure, busy and blocking completion.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "transport/oob.h"
+#include "verbs/device.h"
+#include "verbs/resources.h"
+#include "wire/wire.h"
+
+namespace hixl::rdma {
+
+enum class Op : int { kRead = 0, kWrite = 1, kWriteImm = 2 };
+// Values match hixl.TransferStatus.
+enum class Status : int { kWaiting = 0, kCompleted = 1, kTimeout = 2, kFailed = 3 };
+
+const char* op_name(Op op);
+
+struct EndpointOptions {
+  std::string device;          // "" -> $HIXL_DEVICE -> first device with an ACTIVE port
+  uint8_t port = 1;
+  int gid_index = -1;          // -1 -> $HIXL_GID_INDEX -> RoCEv2 IPv4-mapped
+  uint32_t sq_depth = 256;
+  uint32_t rq_depth = 256;
+  uint32_t max_inline = 64;    // small writes go inline (falls back to 0 if the device refuses)
+  uint64_t slice_bytes = 4u << 20;  // larger descriptors are sliced into several work requests
+  uint32_t max_chain = 64;     // work requests per ibv_post_send (one doorbell)
+  uint32_t busy_poll_us = 20;  // spin this long before blocking on the completion channel
+  uint8_t traffic_class = 0;
+  uint8_t service_level = 0;
+  uint8_t timeout = 14;
+  uint8_t retry_cnt = 7;
+};
+
+struct Desc {
+  uint64_t local_addr = 0;
+  uint64_t remote_addr = 0;
+  uint64_t length = 0;
+  uint32_t rkey = 0;
+};
+
+struct LocalInfo {
+  wire::Hello hello;  // qpn, psn, lid, gid, mtu (active MTU of the port), port, regions
+  std::string device;
+  int gid_index = 0;
+  uint8_t link_layer = 0;
+};
+
+struct RequestResult {
+  Status status = Status::kFailed;
+  std::string error;
+};
+
+struct Stats {
+  uint64_t posted_wrs = 0;
+  uint64_t doorbells = 0;
+  uint64_t signaled = 0;
+  uint64_t backpressure_waits = 0;
+  uint64_t imm_received = 0;
+};
+
+class Endpoint {
+ public:
+  explicit Endpoint(const EndpointOptions& opts = {});
+  ~Endpoint();
+  Endpoint(const Endpoint&) = delete;
+  Endpoint& operator=(const Endpoint&) = delete;
+
+  LocalInfo local_info() const;
+  const EndpointOptions& options() const { return opts_; }
+  bool connected() const { return connected_; }
+  std::optional<wire::Hello> remote() const;
+
+  // INIT -> (receives posted) -> RTR -> RTS against the peer's plain info. Path MTU = min(local, remote).
+  void connect(const wire::Hello& remote);
+
+  // Out-of-band TCP handshake (exchanges QP info and region lists, then a READY frame).
+  uint16_t listen(const std::string& host, uint16_t port);
+  wire::Hello accept(std::chrono::milliseconds timeout);
+  wire::Hello connect_tcp(const std::string& host, uint16_t port, std::chrono::milliseconds timeout);
+
+  // Memory registration. Returns a handle (> 0). Access: verbs flags.
+  uint64_t register_memory(void* addr, size_t len, int access);
+  void deregister_memory(uint64_t handle);
+  std::shared_ptr<verbs::MemoryRegion> region(uint64_t handle) const;
+
+  // Posts descs as one request; blocks only for send-queue room (never fails with "queue full").
+  // imm is used for kWriteImm (carried by the last work request). timeout < 0: no deadline.
+  uint64_t submit(Op op, const std::vector<Desc>& descs, uint32_t imm = 0,
+                  std::chrono::milliseconds timeout = std::chrono::milliseconds(-1));
+  // Non-blocking status. A terminal status is returned once, then the request is forgotten;
+  // an unknown request reports kFailed.
+  RequestResult status(uint64_t req);
+  // Waits for a terminal status up to timeout (busy poll, then the completion channel).
+  // On timeout returns kWaiting and keeps the request.
+  RequestResult wait(uint64_t req, std::chrono::milliseconds timeout);
+  // Polls the send CQ up to budget completions; returns how many were reaped.
+  int progress(int budget = 64);
+
+  // Immediates from the peer's WRITE_WITH_IMM (receives are replenished automatically).
+  std::vector<uint32_t> poll_imm(size_t max);
+  std::optional<uint32_t> wait_imm(std::chrono::milliseconds timeout);
+
+  bool dead() const { return dead_; }
+  std::string dead_reason() const;
+  Stats stats() const;
+  uint32_t sq_depth() const { return sq_depth_; }
+  uint32_t outstanding() const;
+  // QP -> ERR, drain with a deadline. Idempotent. Later calls fail with a clear error.
+  void close();
+
+ private:
+  struct Req {
+    Status status = Status::kWaiting;
+    uint64_t last_seq = 0;  // sequence of its last (signaled) work request; 0 = nothing posted yet
+    bool fully_posted = false;
+    std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max();
+    std::string error;
+  };
+
+  void check_usable_locked() const;
+  uint32_t lkey_for(uint64_t addr, uint64_t len) const;
+  int progress_locked(int budget);
+  void retire_completed_locked();
+  void fail_all_locked(const std::string& why);
+  void post_recvs(uint32_t n);
+  void handle_recv_wc(const ibv_wc& wc, std::vector<uint32_t>& out);
+  wire::Hello handshake(oob::Socket& s, bool server, std::chrono::milliseconds timeout);
+  void wait_for_room_locked(std::unique_lock<std::mutex>& lk);
+
+  EndpointOptions opts_;
+  // Declaration order = reverse teardown order: PD (holding the context) first, QP last.
+  std::shared_ptr<verbs::ProtectionDomain> pd_;
+  std::shared_ptr<verbs::CompletionChannel> send_ch_, recv_ch_;
+  std::shared_ptr<verbs::CompletionQueue> send_cq_, recv_cq_;
+  mutable std::mutex reg_mu_;
+  std::map<uint64_t, std::shared_ptr<verbs::MemoryRegion>> regions_;  // handle -> MR
+  uint64_t next_handle_ = 1;
+  std::unique_ptr<verbs::QueuePair> qp_;
+
+  verbs::PortInfo port_info_;
+  verbs::Gid gid_{};
+  int gid_index_ = 0;
+  uint32_t psn_ = 0;
+  uint32_t sq_depth_ = 0;
+  uint32_t signal_every_ = 0;
+  std::atomic<bool> connected_{false};
+  std::atomic<bool> dead_{false};
+  std::atomic<bool> closed_{false};
+  std::optional<wire::Hello> remote_;
+  oob::Socket listener_;
+
+  mutable std::mutex mu_;  // send side: sequence numbers, requests, send-CQ polling
+  uint64_t next_seq_ = 0;       // last sequence handed out
+  uint64_t completed_seq_ = 0;  // every WR up to this one has completed
+  uint64_t next_req_ = 1;
+  std::unordered_map<uint64_t, Req> reqs_;
+  std::deque<std::pair<uint64_t, uint64_t>> inflight_;  // (last_seq, req), in SQ order
+  std::string dead_reason_;
+  Stats stats_;
+  std::vector<ibv_send_wr> wrs_;
+  std::vector<ibv_sge> sges_;
+
+  std::mutex recv_mu_;
+  std::deque<uint32_t> imm_backlog_;
+};
+
+}  // namespace hixl::rdma
