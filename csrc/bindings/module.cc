@@ -121,15 +121,16 @@ py::tuple result_tuple(const rdma::RequestResult& r) { return py::make_tuple(int
 
 PYBIND11_MODULE(_core, m) {
   m.doc() = "hixl C++ core (libibverbs). Private: use the hixl package.";
-  static py::exception<Error> exc(m, "HixlError", PyExc_RuntimeError);
-  static py::exception<NotSupported> nexc(m, "NotSupportedError", exc.ptr());
+  // Leaked on purpose: the exception types live as long as the interpreter.
+  static auto* exc = new py::exception<Error>(m, "HixlError", PyExc_RuntimeError);
+  static auto* nexc = new py::exception<NotSupported>(m, "NotSupportedError", exc->ptr());
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
     } catch (const NotSupported& e) {
-      nexc(e.what());
+      py::set_error(*nexc, e.what());
     } catch (const Error& e) {
-      exc(e.what());
+      py::set_error(*exc, e.what());
     }
   });
 

@@ -1,0 +1,23 @@
+"""`hixl` command line: `hixl demo`, `hixl devices`."""
+from __future__ import annotations
+
+import sys
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cmd = argv.pop(0) if argv else "help"
+    if cmd == "demo":
+        from .demo import main as demo
+        return demo(argv)
+    if cmd == "devices":
+        from . import list_devices
+        for d in list_devices():
+            print(f"{d['name']}\tactive_ports={d['active_ports']}")
+        return 0
+    print("usage: hixl {demo,devices} [options]", file=sys.stderr)
+    return 0 if cmd in ("help", "-h", "--help") else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
