@@ -309,11 +309,11 @@ uint32_t Endpoint::outstanding() const {
   return uint32_t(next_seq_ - completed_seq_);
 }
 
-void Endpoint::wait_for_room_locked(std::unique_lock<std::mutex>& lk) {
-  // Caller holds mu_. Reap completions; block on the channel when the SQ is still full.
+void Endpoint::wait_for_room_locked(std::unique_lock<std::mutex>& lk, uint32_t need) {
+  // Caller holds mu_. Reap completions until `need` slots are free; block on the channel between.
   ++stats_.backpressure_waits;
   auto spin_until = Clock::now() + std::chrono::microseconds(opts_.busy_poll_us);
-  while (next_seq_ - completed_seq_ >= sq_depth_) {
+  while (sq_depth_ - (next_seq_ - completed_seq_) < need) {
     if (progress_locked(int(sq_depth_)) > 0 || dead_) return;
     if (Clock::now() < spin_until) continue;
     lk.unlock();
@@ -356,8 +356,10 @@ uint64_t Endpoint::submit(Op op, const std::vector<Desc>& descs, uint32_t imm, m
   size_t next = 0;
   while (next < slices.size()) {
     if (dead_) break;  // the request was failed by fail_all_locked
-    if (next_seq_ - completed_seq_ >= sq_depth_) {
-      wait_for_room_locked(lk);
+    // Backpressure: wait until a whole chain fits, so doorbells stay batched under load.
+    uint32_t want = uint32_t(std::min<size_t>(opts_.max_chain, slices.size() - next));
+    if (sq_depth_ - (next_seq_ - completed_seq_) < want) {
+      wait_for_room_locked(lk, want);
       continue;
     }
     uint32_t room = uint32_t(sq_depth_ - (next_seq_ - completed_seq_));

@@ -137,7 +137,7 @@ class Endpoint {
   void post_recvs(uint32_t n);
   void handle_recv_wc(const ibv_wc& wc, std::vector<uint32_t>& out);
   wire::Hello handshake(oob::Socket& s, bool server, std::chrono::milliseconds timeout);
-  void wait_for_room_locked(std::unique_lock<std::mutex>& lk);
+  void wait_for_room_locked(std::unique_lock<std::mutex>& lk, uint32_t need);
 
   EndpointOptions opts_;
   // Declaration order = reverse teardown order: PD (holding the context) first, QP last.

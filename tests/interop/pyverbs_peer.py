@@ -11,6 +11,7 @@ Run with Debian's /usr/bin/python3 (python3-pyverbs). Speaks JSON lines on stdin
 It never imports hixl: everything it does goes through libibverbs via pyverbs.
 """
 import argparse
+import ipaddress
 import json
 import random
 import socket
@@ -24,7 +25,7 @@ from pyverbs.device import Context
 from pyverbs.mr import MR
 from pyverbs.pd import PD
 from pyverbs.qp import QP, QPAttr, QPCap, QPInitAttr
-from pyverbs.wr import RecvWR
+from pyverbs.wr import SGE, RecvWR
 
 RECVS = 32
 
@@ -57,8 +58,14 @@ def main():
     init.port_num = 1
     init.pkey_index = 0
     qp.to_init(init)
+    # pyverbs insists on one SGE per receive; WRITE_WITH_IMM consumes the receive, not its buffer.
+    recv_mr = MR(pd, 64, e.IBV_ACCESS_LOCAL_WRITE)
+
+    def post_recv(wr_id):
+        qp.post_recv(RecvWR(wr_id=wr_id, num_sge=1, sg=[SGE(recv_mr.buf, 64, recv_mr.lkey)]))
+
     for i in range(RECVS):
-        qp.post_recv(RecvWR(wr_id=i, num_sge=0))
+        post_recv(i)
 
     say({"qpn": qp.qp_num, "psn": psn, "lid": port.lid, "gid": str(gid),
          "mtu": 128 << int(port.active_mtu), "port": 1, "addr": mr.buf, "rkey": mr.rkey, "size": args.size})
@@ -70,7 +77,8 @@ def main():
     attr.rq_psn = peer["psn"]
     attr.max_dest_rd_atomic = 1
     attr.min_rnr_timer = 12
-    gr = GlobalRoute(dgid=GID(peer["gid"]), sgid_index=args.gid_index)
+    dgid = GID(ipaddress.IPv6Address(peer["gid"]).exploded)  # pyverbs wants all 8 groups spelled out
+    gr = GlobalRoute(dgid=dgid, sgid_index=args.gid_index)
     attr.ah_attr = AHAttr(gr=gr, is_global=1, port_num=1, dlid=peer.get("lid", 0))
     attr.timeout = 14
     attr.retry_cnt = 7
@@ -98,7 +106,7 @@ def main():
                     wc = wcs[0]
                     out = {"imm": socket.ntohl(wc.imm_data), "opcode": int(wc.opcode), "status": int(wc.status),
                            "with_imm": int(wc.opcode) == int(e.IBV_WC_RECV_RDMA_WITH_IMM)}
-                    qp.post_recv(RecvWR(wr_id=wc.wr_id, num_sge=0))
+                    post_recv(wc.wr_id)
                     break
                 time.sleep(0.0005)
             say(out)

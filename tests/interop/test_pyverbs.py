@@ -24,7 +24,11 @@ class PyverbsPeer:
         self.proc = subprocess.Popen(
             [SYSTEM_PYTHON, str(PEER), "--device", device, "--gid-index", str(gid_index), "--size", str(size)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self.info = self.recv()
+        try:
+            self.info = self.recv()
+        except Exception:
+            self.close()
+            raise
 
     def send(self, obj):
         self.proc.stdin.write(json.dumps(obj) + "\n")
@@ -47,6 +51,9 @@ class PyverbsPeer:
                 self.proc.wait(10)
             except Exception:  # noqa: BLE001
                 self.proc.kill()
+                self.proc.wait(10)
+        self.proc.stdin.close()
+        self.proc.stdout.close()
 
 
 @pytest.fixture
@@ -59,9 +66,14 @@ def peer_and_ep():
     ep = hixl.Endpoint()
     li = ep.info()
     peer = PyverbsPeer(li["device"], li["gid_index"], 1 << 20)
-    ep.connect(peer.info)  # from its plain connection info only
-    peer.send(li)
-    assert peer.recv() == {"ok": True}
+    try:
+        ep.connect(peer.info)  # from its plain connection info only
+        peer.send(li)
+        assert peer.recv() == {"ok": True}
+    except BaseException:
+        peer.close()
+        ep.close()
+        raise
     yield peer, ep
     peer.close()
     ep.close()
