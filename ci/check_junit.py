@@ -1,0 +1,35 @@
+#!/usr/bin/env python3
+"""Fails unless a JUnit report shows real, executed tests: at least --min-tests, none skipped,
+none failed or errored. Used by CI so that an RDMA tier that silently skipped is not a pass."""
+import argparse
+import sys
+import xml.etree.ElementTree as ET
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("report")
+    ap.add_argument("--min-tests", type=int, default=1)
+    a = ap.parse_args()
+    try:
+        root = ET.parse(a.report).getroot()
+    except (OSError, ET.ParseError) as e:
+        print(f"[ci] ERROR: no usable JUnit report {a.report}: {e}")
+        return 1
+    suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
+    total = sum(int(s.get("tests", 0)) for s in suites)
+    skipped = sum(int(s.get("skipped", 0)) for s in suites)
+    failed = sum(int(s.get("failures", 0)) + int(s.get("errors", 0)) for s in suites)
+    print(f"[ci] {a.report}: {total} tests, {skipped} skipped, {failed} failed/errored")
+    if total < a.min_tests:
+        print(f"[ci] ERROR: expected at least {a.min_tests} RDMA tests to run, got {total}")
+        return 1
+    if skipped:
+        names = [c.get("name") for c in root.iter("testcase") if c.find("skipped") is not None]
+        print(f"[ci] ERROR: {skipped} RDMA test(s) were skipped, which CI counts as failure: {names[:10]}")
+        return 1
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

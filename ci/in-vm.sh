@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Runs INSIDE the rxe VM (via ci/rxe-vm.sh): the `rdma` and `interop` test tiers, then the
+# WRITE sweep benchmark against perftest on the same rxe0. Reports go to ci-artifacts/.
+set -uo pipefail
+log() { echo "[ci] $*"; }
+ART="${RXE_ARTIFACTS:-ci-artifacts}"
+PY="${PYTHON:-python3}"
+export HIXL_REQUIRE_RDMA=1
+export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1  # site-packages plugins cost seconds per start under TCG
+
+log "tier 2+3: pytest -m 'rdma or interop' on $(ibv_devices | awk 'NR>2 {print $1}' | xargs)"
+"$PY" -m pytest -p no:cacheprovider -q -rA --durations=10 -m "rdma or interop" \
+    --junitxml="$ART/rdma-junit.xml" tests
+test_rc=$?
+log "pytest exit status: $test_rc"
+
+bench_rc=0
+if [ "${HIXL_SKIP_BENCH:-0}" != 1 ]; then
+    log "bench: hixl WRITE vs ib_write_lat / ib_write_bw on rxe0 (same VM run)"
+    "$PY" bench/write_sweep.py --sizes "${HIXL_BENCH_SIZES:-8,4096,65536,1048576,16777216}" \
+        --lat-iters "${HIXL_BENCH_LAT_ITERS:-500}" --json "$ART/write_sweep.json" 2>&1 | tee "$ART/write_sweep.txt"
+    bench_rc=${PIPESTATUS[0]}
+    log "bench exit status: $bench_rc"
+fi
+[ "$test_rc" -eq 0 ] || exit "$test_rc"
+exit "$bench_rc"

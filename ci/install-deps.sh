@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Install everything needed to build hixl and run its RDMA tests in a QEMU/TCG
+# guest with Soft-RoCE (see ci/rxe-vm.sh). Idempotent: safe to re-run.
+set -euo pipefail
+
+log() { echo "[ci] $*"; }
+
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then
+    SUDO="sudo"
+fi
+
+APT_PACKAGES=(
+    build-essential cmake ninja-build pkg-config
+    libibverbs-dev librdmacm-dev rdma-core ibverbs-utils perftest python3-pyverbs
+    qemu-system-x86 linux-image-amd64 kmod iproute2 busybox-static procps
+)
+
+# Versions verified together on the reference machine.
+PIP_PACKAGES=(
+    virtme-ng==1.42
+    scikit-build-core==1.1.2
+    pybind11==3.1.0
+    numpy==2.4.6
+    pytest==9.0.3
+)
+
+log "apt-get update"
+$SUDO apt-get update
+log "apt-get install: ${APT_PACKAGES[*]}"
+$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y "${APT_PACKAGES[@]}"
+
+PY="$(command -v python3)"
+log "pip install with $PY ($("$PY" --version 2>&1)): ${PIP_PACKAGES[*]}"
+"$PY" -m pip install --disable-pip-version-check "${PIP_PACKAGES[@]}"
+
+# Sanity checks.
+if ! ls /boot/vmlinuz-*-amd64 >/dev/null 2>&1; then
+    log "ERROR: no /boot/vmlinuz-*-amd64 after installing linux-image-amd64"
+    exit 1
+fi
+for k in /boot/vmlinuz-*-amd64; do
+    ver="${k#/boot/vmlinuz-}"
+    if ! find "/lib/modules/$ver" -name 'rdma_rxe.ko*' 2>/dev/null | grep -q .; then
+        log "WARNING: no rdma_rxe module for kernel $ver"
+    fi
+done
+if command -v pyenv >/dev/null 2>&1; then
+    pyenv rehash || true  # create the shim for the new `vng` console script
+fi
+VNG="$(command -v vng || echo "$("$PY" -c 'import sysconfig; print(sysconfig.get_path("scripts"))')/vng")"
+[ -x "$VNG" ] || { log "ERROR: vng not found after pip install"; exit 1; }
+log "vng: $VNG ($("$VNG" --version 2>&1))"
+log "deps installed"
