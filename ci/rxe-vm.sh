@@ -20,7 +20,8 @@
 #                    (PATH, PYTHON, PYTHONPATH, VIRTUAL_ENV, PYENV_VERSION, LANG, LC_ALL,
 #                     CI and every HIXL_* / PYTEST_* variable are always passed)
 # In the guest: RXE_DEV=rxe0 RXE_IP=192.168.77.1 RXE_GID_INDEX=1 are exported, and
-# HIXL_DEVICE / HIXL_GID_INDEX default to rxe0 / 1 unless passed from the host.
+# HIXL_DEVICE / HIXL_GID_INDEX are not set: the library's own device and GID auto-selection is
+# what runs (and is tested) in the guest; pass them from the host to override.
 #
 # Exit status: CMD's status; 97 if rxe0 never came up; 98 if the guest produced no
 # status (crash, panic); 124 if RXE_VM_TIMEOUT expired; 2 on usage/setup errors.
@@ -90,7 +91,6 @@ rm -f "$RC_FILE" "$RC_FILE.tmp" "$UP_FILE" "$GUEST_SCRIPT"
     for v in "${pass[@]}"; do
         if [ -n "${!v+x}" ]; then printf 'export %s=%q\n' "$v" "${!v}"; fi
     done
-    echo 'export HIXL_DEVICE="${HIXL_DEVICE:-rxe0}" HIXL_GID_INDEX="${HIXL_GID_INDEX:-1}"'
     echo '[ -w "$HOME" ] || export XDG_CACHE_HOME=/tmp/.cache'
     printf 'cd %q || exit 1\n' "$REPO"
     printf 'if ! bash %q %q; then\n' "$REPO/ci/guest-setup-rxe.sh" "$ART"

@@ -269,6 +269,7 @@ PYBIND11_MODULE(_core, m) {
       })
       .def("close", &rdma::Endpoint::close, release())
       .def_property_readonly("connected", &rdma::Endpoint::connected)
+      .def_property_readonly("path_mtu", &rdma::Endpoint::path_mtu)
       .def_property_readonly("dead", &rdma::Endpoint::dead)
       .def_property_readonly("dead_reason", &rdma::Endpoint::dead_reason)
       .def_property_readonly("sq_depth", &rdma::Endpoint::sq_depth)

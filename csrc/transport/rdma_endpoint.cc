@@ -145,6 +145,7 @@ void Endpoint::connect(const wire::Hello& r) {
   qp_->to_rtr(qr, p);
   qp_->to_rts(psn_, p);
   remote_ = r;
+  path_mtu_ = verbs::mtu_to_bytes(qr.mtu);
   connected_ = true;
   log::info("connected qpn " + std::to_string(qp_->qpn()) + " -> remote qpn " + std::to_string(r.qpn) + " gid " +
             verbs::gid_to_string(r.gid) + " path_mtu " + std::to_string(verbs::mtu_to_bytes(qr.mtu)));

@@ -80,6 +80,7 @@ class Endpoint {
   LocalInfo local_info() const;
   const EndpointOptions& options() const { return opts_; }
   bool connected() const { return connected_; }
+  int path_mtu() const { return path_mtu_; }  // bytes; 0 before connect()
   std::optional<wire::Hello> remote() const;
 
   // INIT -> (receives posted) -> RTR -> RTS against the peer's plain info. Path MTU = min(local, remote).
@@ -155,6 +156,7 @@ class Endpoint {
   uint32_t psn_ = 0;
   uint32_t sq_depth_ = 0;
   uint32_t signal_every_ = 0;
+  std::atomic<int> path_mtu_{0};
   std::atomic<bool> connected_{false};
   std::atomic<bool> dead_{false};
   std::atomic<bool> closed_{false};

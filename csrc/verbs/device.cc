@@ -176,10 +176,14 @@ int Context::select_gid_index(uint8_t port, int requested) const {
   }
   PortInfo pi = query_port(port);
   if (requested >= 0) {
-    if (requested >= pi.gid_tbl_len)
+    if (requested >= pi.gid_tbl_len || requested > 255)
       throw Error(CallDesc("select_gid_index").arg("device", name_).arg("port", int(port))
                       .arg("index", requested).str() + ": index beyond gid_tbl_len=" +
-                  std::to_string(pi.gid_tbl_len));
+                  std::to_string(pi.gid_tbl_len) + " (or the 8-bit sgid_index)");
+    Gid g = query_gid(port, requested);
+    if (is_zero(g) && pi.link_layer == IBV_LINK_LAYER_ETHERNET)
+      throw Error(CallDesc("select_gid_index").arg("device", name_).arg("port", int(port)).arg("index", requested)
+                      .str() + ": that GID entry is empty (no address configured on the netdev for it)");
     return requested;
   }
   if (pi.link_layer != IBV_LINK_LAYER_ETHERNET) return 0;  // InfiniBand: index 0 (LID routed)

@@ -202,6 +202,11 @@ class Endpoint:
         return self._ep.dead_reason
 
     @property
+    def path_mtu(self) -> int:
+        """Bytes; min(local active MTU, peer's advertised MTU); 0 before connect()."""
+        return self._ep.path_mtu
+
+    @property
     def sq_depth(self) -> int:
         return self._ep.sq_depth
 

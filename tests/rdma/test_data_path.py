@@ -343,3 +343,71 @@ def test_acl_device_memory_is_registrable_and_transfers(pair, rng):
             b.deregister(md)
         finally:
             assert acl.aclrtFree(src_addr) == 0 and acl.aclrtFree(dst_addr) == 0
+
+
+def _gid_type(dev, port, index):
+    p = Path(f"/sys/class/infiniband/{dev}/ports/{port}/gid_attrs/types/{index}")
+    return p.read_text().strip() if p.exists() else ""
+
+
+def test_gid_auto_selection_prefers_rocev2_ipv4_mapped(monkeypatch):
+    monkeypatch.delenv("HIXL_GID_INDEX", raising=False)
+    ep = hixl.Endpoint()
+    try:
+        info = ep.info()
+        if info["link_layer"] != "Ethernet":
+            pytest.skip("InfiniBand port: GID index 0 is used")
+        assert info["gid"].startswith("::ffff:"), info
+        assert "v2" in _gid_type(info["device"], info["port"], info["gid_index"])
+    finally:
+        ep.close()
+
+
+def test_gid_index_override_and_its_errors(monkeypatch):
+    monkeypatch.setenv("HIXL_GID_INDEX", "0")
+    ep = hixl.Endpoint()
+    assert ep.info()["gid_index"] == 0
+    ep.close()
+    ep = hixl.Endpoint(gid_index=1)  # the explicit argument wins over the environment
+    assert ep.info()["gid_index"] == 1
+    ep.close()
+    monkeypatch.setenv("HIXL_GID_INDEX", "250")
+    with pytest.raises(hixl.HixlError, match="beyond gid_tbl_len|GID entry is empty"):
+        hixl.Endpoint()
+    monkeypatch.setenv("HIXL_GID_INDEX", "4096")
+    with pytest.raises(hixl.HixlError, match='HIXL_GID_INDEX="4096": not a GID index'):
+        hixl.Endpoint()
+    with pytest.raises(hixl.HixlError, match="index=4096: index beyond gid_tbl_len"):
+        hixl.Endpoint(gid_index=4096)
+    monkeypatch.setenv("HIXL_GID_INDEX", "one")
+    with pytest.raises(hixl.HixlError, match='HIXL_GID_INDEX="one"'):
+        hixl.Endpoint()
+
+
+def test_device_selection_by_name(monkeypatch):
+    name = hixl.list_devices()[0]["name"]
+    monkeypatch.setenv("HIXL_DEVICE", name)
+    ep = hixl.Endpoint()
+    assert ep.info()["device"] == name
+    ep.close()
+    monkeypatch.setenv("HIXL_DEVICE", "no-such-hca")
+    with pytest.raises(hixl.HixlError, match=r'RDMA device "no-such-hca" not found \(devices: '):
+        hixl.Endpoint()
+
+
+def test_path_mtu_is_the_minimum_of_both_ends(rng):
+    a, b = hixl.Endpoint(), hixl.Endpoint()
+    try:
+        # Each end advertises 256 (as a peer on a 256-MTU port would); both must settle on min = 256.
+        assert a.info()["mtu"] > 256
+        a.connect({**b.info(), "mtu": 256})
+        b.connect({**a.info(), "mtu": 256})
+        assert a.path_mtu == 256 and b.path_mtu == 256
+        src = rng.integers(0, 256, 10_000, dtype=np.uint8)
+        dst = np.zeros_like(src)
+        ms, md = a.register(src), b.register(dst)
+        a.wait_ok(a.write([(ms.addr, md.addr, src.nbytes)], md.rkey))  # 40 packets of 256 B
+        np.testing.assert_array_equal(dst, src)
+    finally:
+        a.close()
+        b.close()
