@@ -377,7 +377,7 @@ def test_gid_index_override_and_its_errors(monkeypatch):
     monkeypatch.setenv("HIXL_GID_INDEX", "4096")
     with pytest.raises(hixl.HixlError, match='HIXL_GID_INDEX="4096": not a GID index'):
         hixl.Endpoint()
-    with pytest.raises(hixl.HixlError, match="index=4096: index beyond gid_tbl_len"):
+    with pytest.raises(hixl.HixlError, match=r"index=4096\): index beyond gid_tbl_len"):
         hixl.Endpoint(gid_index=4096)
     monkeypatch.setenv("HIXL_GID_INDEX", "one")
     with pytest.raises(hixl.HixlError, match='HIXL_GID_INDEX="one"'):
