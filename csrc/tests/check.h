@@ -15,6 +15,8 @@ inline int g_failures = 0;
     }                                                                             \
   } while (0)
 
+#define CHECK_EQ(a, b) CHECK((a) == (b))
+
 // Expects `expr` to throw an exception whose message contains `needle`.
 #define CHECK_THROWS_WITH(expr, needle)                                                        \
   do {                                                                                         \

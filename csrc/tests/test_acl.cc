@@ -11,18 +11,11 @@
 #include <vector>
 
 #include "acl/allocator.h"
+#include "tests/check.h"
 
 using namespace hixl::acl;
 
-static int g_failures = 0;
-#define CHECK(cond)                                                       \
-  do {                                                                    \
-    if (!(cond)) {                                                        \
-      std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
-      ++g_failures;                                                       \
-    }                                                                     \
-  } while (0)
-#define CHECK_EQ(a, b) CHECK((a) == (b))
+
 
 static bool contains(const std::string& s, const char* needle) { return s.find(needle) != std::string::npos; }
 static long read_long(const char* path) {
@@ -324,7 +317,5 @@ int main() {
   test_threads();
   set_log_enabled(false);
   test_backend_seam_and_logging();
-  if (g_failures) std::fprintf(stderr, "test_acl: %d check(s) failed\n", g_failures);
-  else std::printf("test_acl: all checks passed\n");
-  return g_failures ? 1 : 0;
+  return report("test_acl");
 }
