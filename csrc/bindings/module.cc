@@ -213,10 +213,10 @@ PYBIND11_MODULE(_core, m) {
         return hello_to_dict(h);
       }, py::arg("host"), py::arg("port"), py::arg("timeout_ms") = 10000)
       .def("register_addr", [](rdma::Endpoint& ep, uint64_t addr, uint64_t length, int access) {
-        uint64_t h;
-        { py::gil_scoped_release nogil; h = ep.register_memory(reinterpret_cast<void*>(addr), length, access); }
-        auto mr = ep.region(h);
-        return py::make_tuple(h, mr->addr(), mr->length(), mr->lkey(), mr->rkey());
+        std::pair<uint64_t, std::shared_ptr<verbs::MemoryRegion>> r;
+        { py::gil_scoped_release nogil; r = ep.register_memory(reinterpret_cast<void*>(addr), length, access); }
+        const auto& mr = r.second;
+        return py::make_tuple(r.first, mr->addr(), mr->length(), mr->lkey(), mr->rkey());
       }, py::arg("addr"), py::arg("length"), py::arg("access"))
       .def("register_buffer", [](rdma::Endpoint& ep, const py::buffer& buf, int access) {
         py::buffer_info bi = buf.request(/*writable=*/(access & (IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE)) != 0);
@@ -227,10 +227,10 @@ PYBIND11_MODULE(_core, m) {
         }
         uint64_t nbytes = uint64_t(bi.size) * uint64_t(bi.itemsize);
         void* ptr = bi.ptr;
-        uint64_t h;
-        { py::gil_scoped_release nogil; h = ep.register_memory(ptr, nbytes, access); }
-        auto mr = ep.region(h);
-        return py::make_tuple(h, mr->addr(), mr->length(), mr->lkey(), mr->rkey());
+        std::pair<uint64_t, std::shared_ptr<verbs::MemoryRegion>> r;
+        { py::gil_scoped_release nogil; r = ep.register_memory(ptr, nbytes, access); }
+        const auto& mr = r.second;
+        return py::make_tuple(r.first, mr->addr(), mr->length(), mr->lkey(), mr->rkey());
       }, py::arg("buffer"), py::arg("access"))
       .def("deregister", &rdma::Endpoint::deregister_memory, py::arg("handle"), release())
       .def("submit", [](rdma::Endpoint& ep, int op, const py::sequence& descs, uint32_t imm, int64_t timeout_ms) {

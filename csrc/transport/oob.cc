@@ -58,6 +58,10 @@ Socket& Socket::operator=(Socket&& o) noexcept {
   return *this;
 }
 
+void Socket::shutdown() noexcept {
+  if (fd_ >= 0) ::shutdown(fd_, SHUT_RDWR);
+}
+
 void Socket::close() noexcept {
   if (fd_ >= 0) ::close(fd_);
   fd_ = -1;

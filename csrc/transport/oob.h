@@ -25,6 +25,7 @@ class Socket {
   int fd() const { return fd_; }
   bool valid() const { return fd_ >= 0; }
   void close() noexcept;
+  void shutdown() noexcept;  // shutdown(2): wakes threads blocked on this socket, keeps the fd
 
  private:
   int fd_ = -1;

@@ -39,6 +39,13 @@ uint32_t wire_access(int verbs_access) {
   return a;
 }
 
+// A deadline `timeout` from now; negative = never. Clamped so huge values cannot overflow the clock.
+Clock::time_point deadline_after(milliseconds timeout) {
+  constexpr milliseconds kMax(1000LL * 3600 * 24 * 365);  // a year is "forever" here
+  if (timeout.count() < 0) return Clock::time_point::max();
+  return Clock::now() + std::min(timeout, kMax);
+}
+
 }  // namespace
 
 Endpoint::Endpoint(const EndpointOptions& opts) : opts_(opts) {
@@ -55,6 +62,8 @@ Endpoint::Endpoint(const EndpointOptions& opts) : opts_(opts) {
                 ibv_port_state_str(port_info_.state) + ")");
   gid_index_ = ctx->select_gid_index(opts_.port, opts_.gid_index);
   gid_ = ctx->query_gid(opts_.port, gid_index_);
+  // A slice must fit ibv_sge.length (32 bits) and the port's max_msg_sz.
+  opts_.slice_bytes = std::min<uint64_t>(opts_.slice_bytes, 1ull << 30);
   if (port_info_.max_msg_sz && opts_.slice_bytes > port_info_.max_msg_sz) opts_.slice_bytes = port_info_.max_msg_sz;
 
   uint32_t sq = std::min<uint32_t>(opts_.sq_depth, uint32_t(da.max_qp_wr));
@@ -152,6 +161,8 @@ void Endpoint::connect(const wire::Hello& r) {
 }
 
 uint16_t Endpoint::listen(const std::string& host, uint16_t port) {
+  if (closed_) throw Error("Endpoint::listen: endpoint is closed");
+  if (listener_.valid()) throw Error("Endpoint::listen: already listening");
   auto [s, bound] = oob::listen_tcp(host, port);
   listener_ = std::move(s);
   return bound;
@@ -190,7 +201,9 @@ wire::Hello Endpoint::handshake(oob::Socket& s, bool server, milliseconds timeou
 
 wire::Hello Endpoint::accept(milliseconds timeout) {
   if (!listener_.valid()) throw Error("Endpoint::accept: call listen() first");
+  if (closed_) throw Error("Endpoint::accept: endpoint is closed");
   oob::Socket s = oob::accept_tcp(listener_, timeout);
+  if (closed_) throw Error("Endpoint::accept: endpoint closed while waiting for a peer");
   if (!s.valid()) throw Error("Endpoint::accept(timeout_ms=" + std::to_string(timeout.count()) + "): no peer connected", ETIMEDOUT);
   return handshake(s, true, timeout);
 }
@@ -202,7 +215,8 @@ wire::Hello Endpoint::connect_tcp(const std::string& host, uint16_t port, millis
   return handshake(s, false, std::max(left, milliseconds(1)));
 }
 
-uint64_t Endpoint::register_memory(void* addr, size_t len, int access) {
+std::pair<uint64_t, std::shared_ptr<verbs::MemoryRegion>> Endpoint::register_memory(void* addr, size_t len,
+                                                                                    int access) {
   if (!addr || len == 0)
     throw Error(CallDesc("register_memory").hex("addr", reinterpret_cast<uint64_t>(addr)).arg("len", len).str() +
                 ": address must be non-null and length > 0");
@@ -210,8 +224,8 @@ uint64_t Endpoint::register_memory(void* addr, size_t len, int access) {
   auto mr = std::make_shared<verbs::MemoryRegion>(pd_, addr, len, access);
   std::lock_guard<std::mutex> g(reg_mu_);
   uint64_t h = next_handle_++;
-  regions_[h] = std::move(mr);
-  return h;
+  regions_[h] = mr;
+  return {h, mr};
 }
 
 void Endpoint::deregister_memory(uint64_t handle) {
@@ -231,12 +245,18 @@ std::shared_ptr<verbs::MemoryRegion> Endpoint::region(uint64_t handle) const {
   return it == regions_.end() ? nullptr : it->second;
 }
 
-uint32_t Endpoint::lkey_for(uint64_t addr, uint64_t len) const {
+uint32_t Endpoint::lkey_for(uint64_t addr, uint64_t len, bool local_write) const {
   std::lock_guard<std::mutex> g(reg_mu_);
+  bool covered = false;
   for (const auto& [h, mr] : regions_) {
     (void)h;
-    if (mr->contains(addr, len)) return mr->lkey();
+    if (!mr->contains(addr, len)) continue;
+    covered = true;
+    if (!local_write || (mr->access() & IBV_ACCESS_LOCAL_WRITE)) return mr->lkey();
   }
+  if (covered)
+    throw Error(CallDesc("lkey lookup").hex("local_addr", addr).arg("len", len).str() +
+                ": RDMA READ lands in a local region registered without LOCAL_WRITE");
   throw Error(CallDesc("lkey lookup").hex("local_addr", addr).arg("len", len).str() +
               ": local range is not inside a region registered on this endpoint");
 }
@@ -245,6 +265,15 @@ void Endpoint::check_usable_locked() const {
   if (closed_) throw Error("endpoint is closed");
   if (!connected_) throw Error("endpoint is not connected");
   if (dead_) throw Error("endpoint is in error state: " + dead_reason_);
+}
+
+void Endpoint::mark_dead_locked(const std::string& why) {
+  if (!dead_) {
+    dead_reason_ = why;
+    dead_ = true;
+    log::error(why);
+  }
+  fail_all_locked(dead_reason_);
 }
 
 void Endpoint::fail_all_locked(const std::string& why) {
@@ -258,6 +287,7 @@ void Endpoint::fail_all_locked(const std::string& why) {
   }
   inflight_.clear();
   completed_seq_ = next_seq_;
+  cv_.notify_all();
 }
 
 int Endpoint::progress_locked(int budget) {
@@ -269,7 +299,10 @@ int Endpoint::progress_locked(int budget) {
     total += n;
     for (int i = 0; i < n; ++i) {
       if (wc[i].status != IBV_WC_SUCCESS) {
-        if (dead_) continue;  // flush errors after the first failure, or during teardown
+        if (dead_) {  // flush after the first failure (its cause is kept), or during teardown
+          fail_all_locked(dead_reason_.empty() ? "endpoint closed" : dead_reason_);
+          continue;
+        }
         std::string why = std::string("work completion failed: ") + verbs::wc_to_string(wc[i]) + " on qpn " +
                           std::to_string(qp_->qpn());
         if (wc[i].status == IBV_WC_RETRY_EXC_ERR)
@@ -278,10 +311,7 @@ int Endpoint::progress_locked(int budget) {
           why += " (remote address/rkey/access not permitted by the peer's memory region)";
         else if (wc[i].status == IBV_WC_LOC_PROT_ERR || wc[i].status == IBV_WC_LOC_LEN_ERR)
           why += " (local buffer not covered by a registered memory region)";
-        dead_reason_ = why;
-        dead_ = true;
-        log::error(why);
-        fail_all_locked(why);
+        mark_dead_locked(why);
         continue;
       }
       if (wc[i].wr_id > completed_seq_) completed_seq_ = wc[i].wr_id;
@@ -292,11 +322,40 @@ int Endpoint::progress_locked(int budget) {
 }
 
 void Endpoint::retire_completed_locked() {
+  bool any = false;
   while (!inflight_.empty() && inflight_.front().first <= completed_seq_) {
     auto it = reqs_.find(inflight_.front().second);
     if (it != reqs_.end() && it->second.status == Status::kWaiting) it->second.status = Status::kCompleted;
     inflight_.pop_front();
+    any = true;
   }
+  if (any) cv_.notify_all();
+}
+
+bool Endpoint::block_locked(std::unique_lock<std::mutex>& lk, Clock::time_point deadline) {
+  // One thread at a time sleeps on the completion channel and reaps what woke it; the others wait
+  // on cv_, which every retirement signals. No waiter can miss a completion another thread reaped.
+  auto now = Clock::now();
+  if (now >= deadline) return false;
+  auto slice = std::min<Clock::duration>(deadline - now, milliseconds(100));
+  if (channel_waiter_) {
+    cv_.wait_for(lk, slice);
+    return true;
+  }
+  channel_waiter_ = true;
+  lk.unlock();
+  try {
+    send_cq_->wait_event(std::max(milliseconds(1), std::chrono::duration_cast<milliseconds>(slice)));
+  } catch (...) {
+    lk.lock();
+    channel_waiter_ = false;
+    throw;
+  }
+  lk.lock();
+  channel_waiter_ = false;
+  if (connected_ && !closed_) progress_locked(int(sq_depth_));
+  cv_.notify_all();
+  return true;
 }
 
 int Endpoint::progress(int budget) {
@@ -310,19 +369,17 @@ uint32_t Endpoint::outstanding() const {
   return uint32_t(next_seq_ - completed_seq_);
 }
 
-void Endpoint::wait_for_room_locked(std::unique_lock<std::mutex>& lk, uint32_t need) {
-  // Caller holds mu_. Reap completions until `need` slots are free; block on the channel between.
+bool Endpoint::wait_for_room_locked(std::unique_lock<std::mutex>& lk, uint32_t need, Clock::time_point deadline) {
+  // Caller holds mu_. Reap completions until `need` slots are free; block between. False on deadline.
   ++stats_.backpressure_waits;
   auto spin_until = Clock::now() + std::chrono::microseconds(opts_.busy_poll_us);
   while (sq_depth_ - (next_seq_ - completed_seq_) < need) {
-    if (progress_locked(int(sq_depth_)) > 0 || dead_) return;
-    if (Clock::now() < spin_until) continue;
-    lk.unlock();
-    bool ev = send_cq_->wait_event(milliseconds(100));
-    lk.lock();
+    if (progress_locked(int(sq_depth_)) > 0 || dead_) return true;
     if (closed_) throw Error("endpoint closed while waiting for send-queue room");
-    (void)ev;
+    if (Clock::now() < spin_until) continue;
+    if (!block_locked(lk, deadline)) return false;
   }
+  return true;
 }
 
 uint64_t Endpoint::submit(Op op, const std::vector<Desc>& descs, uint32_t imm, milliseconds timeout) {
@@ -333,13 +390,13 @@ uint64_t Endpoint::submit(Op op, const std::vector<Desc>& descs, uint32_t imm, m
     if (d.local_addr + d.length < d.local_addr || d.remote_addr + d.length < d.remote_addr)
       throw Error(CallDesc("submit").arg("op", op_name(op)).arg("desc", i).hex("local_addr", d.local_addr)
                       .hex("remote_addr", d.remote_addr).arg("len", d.length).str() + ": range wraps the address space");
-    if (d.length) lkeys[i] = lkey_for(d.local_addr, d.length);
+    if (d.length) lkeys[i] = lkey_for(d.local_addr, d.length, op == Op::kRead);
   }
   std::unique_lock<std::mutex> lk(mu_);
   check_usable_locked();
   uint64_t id = next_req_++;
   Req& req = reqs_[id];
-  if (timeout.count() >= 0) req.deadline = Clock::now() + timeout;
+  req.deadline = deadline_after(timeout);
 
   // Flatten into slices: (desc index, offset, length).
   struct Slice { size_t d; uint64_t off, len; };
@@ -360,7 +417,19 @@ uint64_t Endpoint::submit(Op op, const std::vector<Desc>& descs, uint32_t imm, m
     // Backpressure: wait until a whole chain fits, so doorbells stay batched under load.
     uint32_t want = uint32_t(std::min<size_t>(opts_.max_chain, slices.size() - next));
     if (sq_depth_ - (next_seq_ - completed_seq_) < want) {
-      wait_for_room_locked(lk, want);
+      bool room;
+      try {
+        room = wait_for_room_locked(lk, want, req.deadline);
+      } catch (...) {
+        reqs_.erase(id);
+        throw;
+      }
+      if (!room) {  // what was posted stays in flight; the request is reported TIMEOUT
+        req.status = Status::kTimeout;
+        req.error = "request " + std::to_string(id) + " timed out waiting for send-queue room after posting " +
+                    std::to_string(next) + " of " + std::to_string(slices.size()) + " work requests";
+        return id;
+      }
       continue;
     }
     uint32_t room = uint32_t(sq_depth_ - (next_seq_ - completed_seq_));
@@ -411,11 +480,8 @@ uint64_t Endpoint::submit(Op op, const std::vector<Desc>& descs, uint32_t imm, m
                             .arg("accepted", accepted).arg("outstanding", next_seq_ - completed_seq_).str() +
                         " failed: " + errno_str(rc);
       next_seq_ += accepted;
-      dead_reason_ = why;
-      dead_ = true;
-      req.status = Status::kFailed;
-      req.error = why;
-      fail_all_locked(why);
+      reqs_.erase(id);
+      mark_dead_locked(why);
       throw Error(why, rc);
     }
     next_seq_ += n;
@@ -433,8 +499,7 @@ uint64_t Endpoint::submit(Op op, const std::vector<Desc>& descs, uint32_t imm, m
   return id;
 }
 
-RequestResult Endpoint::status(uint64_t id) {
-  std::lock_guard<std::mutex> g(mu_);
+RequestResult Endpoint::status_locked(uint64_t id) {
   if (connected_ && !closed_) progress_locked(int(sq_depth_));
   auto it = reqs_.find(id);
   if (it == reqs_.end()) return {Status::kFailed, "unknown request " + std::to_string(id)};
@@ -449,17 +514,24 @@ RequestResult Endpoint::status(uint64_t id) {
   return out;
 }
 
+RequestResult Endpoint::status(uint64_t id) {
+  std::lock_guard<std::mutex> g(mu_);
+  return status_locked(id);
+}
+
 RequestResult Endpoint::wait(uint64_t id, milliseconds timeout) {
-  auto deadline = Clock::now() + timeout;
+  auto deadline = deadline_after(timeout);
   auto spin_until = Clock::now() + std::chrono::microseconds(opts_.busy_poll_us);
+  std::unique_lock<std::mutex> lk(mu_);
   for (;;) {
-    RequestResult r = status(id);
+    RequestResult r = status_locked(id);
     if (r.status != Status::kWaiting) return r;
-    auto now = Clock::now();
-    if (now >= deadline) return r;
-    if (now < spin_until) continue;
-    auto left = std::chrono::duration_cast<milliseconds>(deadline - now);
-    send_cq_->wait_event(std::clamp(left, milliseconds(1), milliseconds(100)));
+    if (Clock::now() < spin_until) {  // busy poll: drop the lock so others can post meanwhile
+      lk.unlock();
+      lk.lock();
+      continue;
+    }
+    if (closed_ || !block_locked(lk, deadline)) return status_locked(id);
   }
 }
 
@@ -479,12 +551,8 @@ void Endpoint::post_recvs(uint32_t n) {
 
 void Endpoint::handle_recv_wc(const ibv_wc& wc, std::vector<uint32_t>& out) {
   if (wc.status != IBV_WC_SUCCESS) {
-    if (!closed_ && !dead_) {
-      std::lock_guard<std::mutex> g(mu_);
-      dead_reason_ = std::string("receive completion failed: ") + verbs::wc_to_string(wc);
-      dead_ = true;
-      log::error(dead_reason_);
-    }
+    std::lock_guard<std::mutex> g(mu_);
+    if (!closed_) mark_dead_locked(std::string("receive completion failed: ") + verbs::wc_to_string(wc));
     return;
   }
   if (wc.opcode == IBV_WC_RECV_RDMA_WITH_IMM || (wc.wc_flags & IBV_WC_WITH_IMM)) {
@@ -507,7 +575,7 @@ std::vector<uint32_t> Endpoint::poll_imm(size_t max) {
     std::vector<uint32_t> got;
     for (int i = 0; i < n; ++i) handle_recv_wc(wc[i], got);
     if (!dead_) post_recvs(uint32_t(n));  // replenish what was consumed
-    stats_.imm_received += got.size();
+    imm_received_ += got.size();
     for (uint32_t v : got) {
       if (out.size() < max) out.push_back(v);
       else imm_backlog_.push_back(v);
@@ -517,7 +585,7 @@ std::vector<uint32_t> Endpoint::poll_imm(size_t max) {
 }
 
 std::optional<uint32_t> Endpoint::wait_imm(milliseconds timeout) {
-  auto deadline = Clock::now() + timeout;
+  auto deadline = deadline_after(timeout);
   for (;;) {
     auto v = poll_imm(1);
     if (!v.empty()) return v[0];
@@ -535,12 +603,14 @@ std::string Endpoint::dead_reason() const {
 
 Stats Endpoint::stats() const {
   std::lock_guard<std::mutex> g(mu_);
-  return stats_;
+  Stats s = stats_;
+  s.imm_received = imm_received_;
+  return s;
 }
 
 void Endpoint::close() {
   if (closed_.exchange(true)) return;
-  listener_.close();
+  listener_.shutdown();  // wakes a concurrent accept(); the fd itself is closed by the destructor
   if (!qp_) return;
   std::lock_guard<std::mutex> g(mu_);
   qp_->to_error();  // hardware flushes in-flight work

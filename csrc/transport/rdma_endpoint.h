@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <map>
@@ -92,7 +93,7 @@ class Endpoint {
   wire::Hello connect_tcp(const std::string& host, uint16_t port, std::chrono::milliseconds timeout);
 
   // Memory registration. Returns a handle (> 0). Access: verbs flags.
-  uint64_t register_memory(void* addr, size_t len, int access);
+  std::pair<uint64_t, std::shared_ptr<verbs::MemoryRegion>> register_memory(void* addr, size_t len, int access);
   void deregister_memory(uint64_t handle);
   std::shared_ptr<verbs::MemoryRegion> region(uint64_t handle) const;
 
@@ -131,14 +132,19 @@ class Endpoint {
   };
 
   void check_usable_locked() const;
-  uint32_t lkey_for(uint64_t addr, uint64_t len) const;
+  uint32_t lkey_for(uint64_t addr, uint64_t len, bool local_write) const;
   int progress_locked(int budget);
   void retire_completed_locked();
+  void mark_dead_locked(const std::string& why);
+  RequestResult status_locked(uint64_t req);
+  // Sleeps (mu_ released) until completions may have moved or the deadline; false once it passed.
+  bool block_locked(std::unique_lock<std::mutex>& lk, std::chrono::steady_clock::time_point deadline);
   void fail_all_locked(const std::string& why);
   void post_recvs(uint32_t n);
   void handle_recv_wc(const ibv_wc& wc, std::vector<uint32_t>& out);
   wire::Hello handshake(oob::Socket& s, bool server, std::chrono::milliseconds timeout);
-  void wait_for_room_locked(std::unique_lock<std::mutex>& lk, uint32_t need);
+  bool wait_for_room_locked(std::unique_lock<std::mutex>& lk, uint32_t need,
+                            std::chrono::steady_clock::time_point deadline);
 
   EndpointOptions opts_;
   // Declaration order = reverse teardown order: PD (holding the context) first, QP last.
@@ -164,6 +170,8 @@ class Endpoint {
   oob::Socket listener_;
 
   mutable std::mutex mu_;  // send side: sequence numbers, requests, send-CQ polling
+  std::condition_variable cv_;   // signaled whenever requests retire or fail
+  bool channel_waiter_ = false;  // one thread at a time sleeps on the send completion channel
   uint64_t next_seq_ = 0;       // last sequence handed out
   uint64_t completed_seq_ = 0;  // every WR up to this one has completed
   uint64_t next_req_ = 1;
@@ -174,6 +182,7 @@ class Endpoint {
   std::vector<ibv_send_wr> wrs_;
   std::vector<ibv_sge> sges_;
 
+  std::atomic<uint64_t> imm_received_{0};
   std::mutex recv_mu_;
   std::deque<uint32_t> imm_backlog_;
 };

@@ -15,7 +15,7 @@ Typical use::
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Sequence, Tuple, Union
 
 from . import _core
@@ -53,6 +53,8 @@ class MemoryRegion:
     lkey: int
     rkey: int
     owner: Any = None
+    # The buffer export held while registered: the owner cannot be resized or freed under the NIC.
+    export: Optional[memoryview] = field(default=None, repr=False, compare=False)
 
     def contains(self, addr: int, length: int) -> bool:
         return self.addr <= addr and addr + length <= self.addr + self.length
@@ -126,19 +128,25 @@ class Endpoint:
             if length is not None:
                 raise HixlError("register(buffer): length is taken from the buffer; slice it instead")
             try:
-                memoryview(buf)
+                export = memoryview(buf)
             except TypeError as e:
                 raise HixlError(f"register: {type(buf).__name__} does not support the buffer protocol") from e
-            h, addr, ln, lkey, rkey = self._ep.register_buffer(buf, access)
+            try:
+                h, addr, ln, lkey, rkey = self._ep.register_buffer(export, access)
+            except BaseException:
+                export.release()
+                raise
             owner = buf
-        mr = MemoryRegion(h, addr, ln, lkey, rkey, owner)
+        mr = MemoryRegion(h, addr, ln, lkey, rkey, owner, export if not isinstance(buf, int) else None)
         self._regions[h] = mr
         return mr
 
     def deregister(self, mr: Union[MemoryRegion, int]) -> None:
         h = mr.handle if isinstance(mr, MemoryRegion) else int(mr)
         self._ep.deregister(h)
-        self._regions.pop(h, None)
+        gone = self._regions.pop(h, None)
+        if gone is not None and gone.export is not None:
+            gone.export.release()
 
     # -- data path --------------------------------------------------------------------------
     @staticmethod
@@ -228,6 +236,9 @@ class Endpoint:
 
     def close(self) -> None:
         self._ep.close()
+        for mr in self._regions.values():
+            if mr.export is not None:
+                mr.export.release()
         self._regions.clear()
 
     def __enter__(self) -> "Endpoint":

@@ -411,3 +411,90 @@ def test_path_mtu_is_the_minimum_of_both_ends(rng):
     finally:
         a.close()
         b.close()
+
+
+def test_registered_bytearray_cannot_be_resized_under_the_nic(pair):
+    a, _ = pair
+    ba = bytearray(4096)
+    m = a.register(ba)
+    with pytest.raises(BufferError):
+        ba.extend(b"x" * 4096)  # would reallocate the memory the NIC may be writing
+    a.deregister(m)
+    ba.extend(b"x")  # fine once deregistered
+    assert len(ba) == 4097
+
+
+def test_read_into_region_without_local_write_is_refused_before_posting(pair, rng):
+    a, b = pair
+    src = rng.integers(0, 256, 4096, dtype=np.uint8)
+    mb = b.register(src)
+    local = np.zeros(4096, np.uint8)
+    ml = a.register(local, access=hixl.endpoint.ACCESS_REMOTE_READ)  # no LOCAL_WRITE
+    with pytest.raises(hixl.HixlError, match="without LOCAL_WRITE"):
+        a.read([(ml.addr, mb.addr, 4096)], mb.rkey)
+    assert not a.dead
+
+
+def test_submit_deadline_bounds_a_backpressure_stall():
+    """Receiver never consumes immediates: after its receives run out the sender is RNR-stalled and
+    the send queue fills. A submit with a deadline must come back TIMEOUT instead of blocking forever."""
+    a, b = connected_pair(sq_depth=8, rq_depth=4)
+    try:
+        t0 = time.monotonic()
+        timed_out_at = None
+        for i in range(200):
+            r = a.write_imm([], 0, i, timeout_ms=1500)
+            if a.status(r) == TransferStatus.TIMEOUT:
+                timed_out_at = i
+                break
+        assert timed_out_at is not None and timed_out_at >= 4, timed_out_at
+        assert time.monotonic() - t0 < 60
+        # Once the receiver consumes, the stalled work drains and the endpoint is still usable.
+        got = []
+        deadline = time.monotonic() + 60
+        while len(got) < timed_out_at and time.monotonic() < deadline:
+            v = b.wait_imm(1000)
+            if v is not None:
+                got.append(v)
+        assert got[:4] == [0, 1, 2, 3]
+        a.wait_ok(a.write_imm([], 0, 999), 60000)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_huge_timeouts_mean_forever_not_overflow(pair, rng):
+    a, b = pair
+    src, dst = _bufs(4096, rng)
+    ma, mb = a.register(src), b.register(dst)
+    req = a.write([(ma.addr, mb.addr, 4096)], mb.rkey, timeout_ms=2**62)
+    assert a.wait(req, 2**62) == TransferStatus.COMPLETED
+    assert b.wait_imm(0) is None
+
+
+def test_concurrent_waiters_on_one_endpoint(pair, rng):
+    """Eight threads submit and wait on one endpoint; none may lose a wakeup or see another's status."""
+    a, b = pair
+    n, size = 8, 1 << 16
+    src = rng.integers(0, 256, n * size, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    ma, mb = a.register(src), b.register(dst)
+    errors = []
+
+    def worker(k):
+        try:
+            for rep in range(20):
+                off = k * size
+                a.wait_ok(a.write([(ma.addr + off, mb.addr + off, size)], mb.rkey), 60000)
+        except Exception as e:  # noqa: BLE001
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(n)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors and all(not t.is_alive() for t in threads)
+    np.testing.assert_array_equal(dst, src)
+    assert time.monotonic() - t0 < 300
