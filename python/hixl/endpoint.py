@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Sequence, Tuple, Union
 
 from . import _core
+from .types import TransferStatus
 
 HixlError = _core.HixlError
 NotSupportedError = _core.NotSupportedError
@@ -36,11 +37,6 @@ class Op(enum.IntEnum):
     WRITE_WITH_IMM = 2
 
 
-class TransferStatus(enum.IntEnum):
-    WAITING = 0
-    COMPLETED = 1
-    TIMEOUT = 2
-    FAILED = 3
 
 
 @dataclass(frozen=True)

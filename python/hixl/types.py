@@ -1,0 +1,363 @@
+"""Module-level API surface of hixl, mirroring CANN's ``hixl`` Python module.
+
+CANN's hixl (Ascend) exposes status codes, enums (``MemType``, ``TransferOp``,
+``TransferStatus``, ``AsyncConnectStatus``, ``FeatureType``), option keys, plain
+descriptor classes (``MemDesc``, ``TransferOpDesc``, ...) and ``get_capability``
+at module level.  This module provides the same names and values
+so that code written against CANN runs unchanged on this RDMA implementation.
+
+Everything here follows the CANN convention of *returning* a status code
+instead of raising: validators return an ``int`` status, parsers return a tuple
+whose first element is the status.
+
+``TransferStatus`` members are deliberately *not* exported as module constants:
+``TIMEOUT`` and ``FAILED`` at module level are the status codes.
+"""
+from __future__ import annotations
+
+import enum
+import ipaddress
+import operator
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+from . import _core
+
+# ---------------------------------------------------------------- status codes
+SUCCESS = 0
+PARAM_INVALID = 103900
+TIMEOUT = 103901
+NOT_CONNECTED = 103902
+ALREADY_CONNECTED = 103903
+NOTIFY_FAILED = 103904
+UNSUPPORTED = 103905
+RESOURCE_EXHAUSTED = 203900
+FAILED = 503900
+
+_STATUS_NAMES = {globals()[n]: n for n in (
+    "SUCCESS", "PARAM_INVALID", "TIMEOUT", "NOT_CONNECTED", "ALREADY_CONNECTED",
+    "NOTIFY_FAILED", "UNSUPPORTED", "RESOURCE_EXHAUSTED", "FAILED")}
+
+
+def status_name(code: Any) -> str:
+    """Name of a status code, e.g. ``status_name(103900) == "PARAM_INVALID"``.
+
+    Unknown codes give ``"UNKNOWN(<code>)"``; never raises.
+    """
+    if isinstance(code, int) and not isinstance(code, bool):
+        name = _STATUS_NAMES.get(int(code))
+        if name is not None:
+            return name
+    return "UNKNOWN(%r)" % (code,)
+
+
+# ----------------------------------------------------------------------- enums
+class MemType(enum.IntEnum):
+    MEM_DEVICE = 0
+    MEM_HOST = 1
+
+
+class TransferOp(enum.IntEnum):
+    READ = 0
+    WRITE = 1
+
+
+class TransferStatus(enum.IntEnum):
+    WAITING = 0
+    COMPLETED = 1
+    TIMEOUT = 2
+    FAILED = 3
+
+
+class AsyncConnectStatus(enum.IntEnum):
+    NOT_CONNECT = 0
+    CONNECT_PENDING = 1
+    CONNECTING = 2
+    CONNECTED = 3
+    CONNECT_FAILED = 4
+    DISCONNECT_PENDING = 5
+    DISCONNECTING = 6
+
+
+class FeatureType(enum.IntEnum):
+    AUTO_CONNECT = 0
+    CLIENT_SERVER_COMM = 1
+
+
+MEM_DEVICE, MEM_HOST = MemType
+READ, WRITE = TransferOp
+(NOT_CONNECT, CONNECT_PENDING, CONNECTING, CONNECTED, CONNECT_FAILED, DISCONNECT_PENDING,
+ DISCONNECTING) = AsyncConnectStatus
+AUTO_CONNECT, CLIENT_SERVER_COMM = FeatureType
+
+FEATURE_SUPPORTED = 1
+FEATURE_NOT_SUPPORTED = 0
+
+MAX_NOTIFY_LEN = 1024
+MAX_UNREAD_NOTIFIES = 4096
+
+_U64_LIMIT = 2 ** 64
+
+
+# ---------------------------------------------------------------- data classes
+@dataclass
+class MemDesc:
+    addr: int = 0
+    len: int = 0
+
+
+@dataclass
+class TransferOpDesc:
+    local_addr: int = 0
+    remote_addr: int = 0
+    len: int = 0
+
+
+@dataclass
+class TransferArgs:
+    user_data: int = 0
+
+
+@dataclass
+class GetTransferStatusArgs:
+    max_query_count: int = 2 ** 32 - 1
+    skip_waiting: bool = False
+
+
+@dataclass
+class TransferResult:
+    req: int = 0
+    user_data: int = 0
+    status: TransferStatus = TransferStatus.WAITING
+
+
+@dataclass
+class NotifyDesc:
+    name: str = ""
+    notify_msg: str = ""
+
+
+# ------------------------------------------------------------------ validation
+_MISSING = object()
+
+
+def _as_u64(v: Any) -> Optional[int]:
+    """``v`` as an int in [0, 2**64), or None.  Accepts numpy ints; rejects bools."""
+    if isinstance(v, bool) or type(v).__name__ in ("bool", "bool_"):  # also numpy bools
+        return None
+    try:
+        n = operator.index(v)
+    except Exception:
+        return None
+    return n if 0 <= n < _U64_LIMIT else None
+
+
+def _range_ok(addr: Any, length: Any) -> bool:
+    a, n = _as_u64(addr), _as_u64(length)
+    return a is not None and n is not None and n > 0 and a + n <= _U64_LIMIT
+
+
+def validate_mem_desc(d: Any) -> int:
+    """SUCCESS if ``d.addr``/``d.len`` describe a non-empty, non-wrapping u64 range."""
+    addr, length = getattr(d, "addr", _MISSING), getattr(d, "len", _MISSING)
+    if addr is _MISSING or length is _MISSING:
+        return PARAM_INVALID
+    return SUCCESS if _range_ok(addr, length) else PARAM_INVALID
+
+
+def validate_op_desc(d: Any) -> int:
+    """SUCCESS if both ``[local_addr, +len)`` and ``[remote_addr, +len)`` are valid ranges."""
+    la = getattr(d, "local_addr", _MISSING)
+    ra = getattr(d, "remote_addr", _MISSING)
+    length = getattr(d, "len", _MISSING)
+    if _MISSING in (la, ra, length):
+        return PARAM_INVALID
+    return SUCCESS if _range_ok(la, length) and _range_ok(ra, length) else PARAM_INVALID
+
+
+def validate_notify(d: Any) -> int:
+    """SUCCESS if ``d.name`` and ``d.notify_msg`` are str of at most MAX_NOTIFY_LEN chars."""
+    for attr in ("name", "notify_msg"):
+        v = getattr(d, attr, _MISSING)
+        if not isinstance(v, str) or len(v) > MAX_NOTIFY_LEN:
+            return PARAM_INVALID
+    return SUCCESS
+
+
+# --------------------------------------------------------------------- options
+OPTION_ENABLE_USE_FABRIC_MEM = "EnableUseFabricMem"
+OPTION_RDMA_TRAFFIC_CLASS = "RdmaTrafficClass"
+OPTION_RDMA_SERVICE_LEVEL = "RdmaServiceLevel"
+OPTION_BUFFER_POOL = "BufferPool"
+OPTION_GLOBAL_RESOURCE_CONFIG = "GlobalResourceConfig"
+OPTION_AUTO_CONNECT = "AutoConnect"
+OPTION_LOCAL_COMM_RES = "LocalCommRes"
+# Extensions of this implementation (not in CANN).
+OPTION_HIXL_TRANSPORT = "HixlTransport"
+OPTION_HIXL_DEVICE = "HixlDevice"
+OPTION_HIXL_GID_INDEX = "HixlGidIndex"
+
+TRANSPORTS = ("auto", "rdma", "shm", "tcp")
+ENV_TRANSPORT = "HIXL_TRANSPORT"
+
+# Accepted, stored raw, but without effect here -> ParsedOptions attribute name.
+_NOT_APPLICABLE = {
+    OPTION_ENABLE_USE_FABRIC_MEM: "enable_use_fabric_mem",
+    OPTION_BUFFER_POOL: "buffer_pool",
+    OPTION_GLOBAL_RESOURCE_CONFIG: "global_resource_config",
+    OPTION_LOCAL_COMM_RES: "local_comm_res",
+}
+# Integer options (decimal strings 0..max) -> (ParsedOptions attribute, max).
+_INT_OPTIONS = {
+    OPTION_RDMA_TRAFFIC_CLASS: ("rdma_traffic_class", 255),
+    OPTION_RDMA_SERVICE_LEVEL: ("rdma_service_level", 15),
+    OPTION_HIXL_GID_INDEX: ("gid_index", 255),  # ibv_global_route.sgid_index is u8
+}
+_DECIMAL = re.compile(r"[0-9]+")
+
+
+@dataclass
+class ParsedOptions:
+    """Result of :func:`parse_options`.
+
+    ``ignored`` lists unknown keys (the engine logs them once); ``not_applicable``
+    lists CANN keys that are accepted but have no effect (their raw values are
+    kept in the matching attributes).  On failure only ``error`` is meaningful.
+    """
+    rdma_traffic_class: Optional[int] = None
+    rdma_service_level: Optional[int] = None
+    auto_connect: bool = False
+    transport: str = "auto"
+    device: Optional[str] = None
+    gid_index: Optional[int] = None
+    enable_use_fabric_mem: Optional[str] = None
+    buffer_pool: Optional[str] = None
+    global_resource_config: Optional[str] = None
+    local_comm_res: Optional[str] = None
+    raw: Dict[str, str] = field(default_factory=dict)
+    ignored: List[str] = field(default_factory=list)
+    not_applicable: List[str] = field(default_factory=list)
+    error: str = ""
+
+
+def _dec(value: str, lo: int, hi: int) -> Optional[int]:
+    if not _DECIMAL.fullmatch(value):
+        return None
+    n = int(value)
+    return n if lo <= n <= hi else None
+
+
+def _transport(value: str) -> Optional[str]:
+    v = value.strip().lower()
+    return v if v in TRANSPORTS else None
+
+
+def parse_options(options: Any) -> Tuple[int, ParsedOptions]:
+    """Parse an engine options dict into ``(status, ParsedOptions)``; never raises.
+
+    ``None`` means no options.  Keys and values must be ``str``.  The transport is
+    taken from ``HixlTransport``, else env ``HIXL_TRANSPORT``, else ``"auto"``.
+    """
+    def bad(msg: str) -> Tuple[int, ParsedOptions]:
+        return PARAM_INVALID, ParsedOptions(error=msg)
+
+    try:
+        if options is None:
+            options = {}
+        if not isinstance(options, dict):
+            return bad("options must be a dict, got %s" % type(options).__name__)
+        p = ParsedOptions()
+        for key, value in options.items():
+            if not isinstance(key, str) or not isinstance(value, str):
+                return bad("option %r: keys and values must be str" % (key,))
+            p.raw[key] = value
+            if key in _INT_OPTIONS:
+                attr, hi = _INT_OPTIONS[key]
+                n = _dec(value, 0, hi)
+                if n is None:
+                    return bad("%s=%r: expected an integer 0..%d" % (key, value, hi))
+                setattr(p, attr, n)
+            elif key == OPTION_AUTO_CONNECT:
+                if value not in ("0", "1"):
+                    return bad("%s=%r: expected \"0\" or \"1\"" % (key, value))
+                p.auto_connect = value == "1"
+            elif key == OPTION_HIXL_TRANSPORT:
+                t = _transport(value)
+                if t is None:
+                    return bad("%s=%r: expected one of %s" % (key, value, ", ".join(TRANSPORTS)))
+                p.transport = t
+            elif key == OPTION_HIXL_DEVICE:
+                if not value.strip():
+                    return bad("%s: empty device name" % key)
+                p.device = value.strip()
+            elif key in _NOT_APPLICABLE:
+                setattr(p, _NOT_APPLICABLE[key], value)
+                p.not_applicable.append(key)
+            else:
+                p.ignored.append(key)
+        env = os.environ.get(ENV_TRANSPORT, "")
+        if OPTION_HIXL_TRANSPORT not in p.raw and env.strip():
+            p.transport = t = _transport(env) or ""
+            if not t:
+                return bad("%s=%r: expected one of %s" % (ENV_TRANSPORT, env, ", ".join(TRANSPORTS)))
+        return SUCCESS, p
+    except Exception as e:  # e.g. a dict subclass with a broken items()
+        return bad("invalid options: %s" % (e,))
+
+
+# ------------------------------------------------------------ capability, addr
+def get_capability(feature: Any) -> Tuple[int, int]:
+    """``(SUCCESS, FEATURE_SUPPORTED)`` for a known FeatureType, else PARAM_INVALID."""
+    if isinstance(feature, int) and not isinstance(feature, bool) \
+            and int(feature) in (FeatureType.AUTO_CONNECT, FeatureType.CLIENT_SERVER_COMM):
+        return SUCCESS, FEATURE_SUPPORTED
+    return PARAM_INVALID, FEATURE_NOT_SUPPORTED
+
+
+def _ip(text: str, version: Optional[int] = None) -> Optional[str]:
+    try:
+        ip = ipaddress.ip_address(text)
+    except ValueError:
+        return None
+    return str(ip) if version is None or ip.version == version else None
+
+
+def parse_engine_address(s: Any) -> Tuple[int, Optional[str], Optional[int]]:
+    """Parse ``"ip:port"``, ``"[ipv6]:port"`` or ``"ip"`` into ``(status, host, port)``.
+
+    ``port`` is None for a bare IP (client-only engine); port 0 means "pick a free
+    port".  The host comes back in canonical form without brackets.  Never raises.
+    Splitting is the C++ core's (the same parser the handshake uses); the host must be an IP.
+    """
+    fail = (PARAM_INVALID, None, None)
+    if not isinstance(s, str) or not s or s != s.strip():
+        return fail
+    try:
+        host, port = _core.split_host_port(s)
+    except _core.HixlError:
+        return fail
+    bracketed = s.startswith("[")
+    host = _ip(host, 6 if bracketed else None)
+    if host is None or (not bracketed and port >= 0 and ":" in host):
+        return fail  # "[v4]:p" and "v6:p" (ambiguous without brackets) are refused
+    return SUCCESS, host, (None if port < 0 else port)
+
+
+__all__ = [
+    "SUCCESS", "PARAM_INVALID", "TIMEOUT", "NOT_CONNECTED", "ALREADY_CONNECTED",
+    "NOTIFY_FAILED", "UNSUPPORTED", "RESOURCE_EXHAUSTED", "FAILED", "status_name",
+    "MemType", "TransferOp", "TransferStatus", "AsyncConnectStatus", "FeatureType",
+    "MEM_DEVICE", "MEM_HOST", "READ", "WRITE",
+    "NOT_CONNECT", "CONNECT_PENDING", "CONNECTING", "CONNECTED", "CONNECT_FAILED",
+    "DISCONNECT_PENDING", "DISCONNECTING", "AUTO_CONNECT", "CLIENT_SERVER_COMM",
+    "FEATURE_SUPPORTED", "FEATURE_NOT_SUPPORTED", "MAX_NOTIFY_LEN", "MAX_UNREAD_NOTIFIES",
+    "MemDesc", "TransferOpDesc", "TransferArgs", "GetTransferStatusArgs", "TransferResult",
+    "NotifyDesc", "validate_mem_desc", "validate_op_desc", "validate_notify",
+    "OPTION_ENABLE_USE_FABRIC_MEM", "OPTION_RDMA_TRAFFIC_CLASS", "OPTION_RDMA_SERVICE_LEVEL",
+    "OPTION_BUFFER_POOL", "OPTION_GLOBAL_RESOURCE_CONFIG", "OPTION_AUTO_CONNECT",
+    "OPTION_LOCAL_COMM_RES", "OPTION_HIXL_TRANSPORT", "OPTION_HIXL_DEVICE",
+    "OPTION_HIXL_GID_INDEX", "TRANSPORTS", "ENV_TRANSPORT", "ParsedOptions", "parse_options",
+    "get_capability", "parse_engine_address",
+]

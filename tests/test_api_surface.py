@@ -1,0 +1,430 @@
+"""Module-level API surface (hixl.types): values, enums, data classes, validators, parsers."""
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import pytest
+
+from hixl import types as T
+
+# ------------------------------------------------------------------ constants
+
+STATUS = {
+    "SUCCESS": 0, "PARAM_INVALID": 103900, "TIMEOUT": 103901, "NOT_CONNECTED": 103902,
+    "ALREADY_CONNECTED": 103903, "NOTIFY_FAILED": 103904, "UNSUPPORTED": 103905,
+    "RESOURCE_EXHAUSTED": 203900, "FAILED": 503900,
+}
+
+ENUMS = {
+    "MemType": {"MEM_DEVICE": 0, "MEM_HOST": 1},
+    "TransferOp": {"READ": 0, "WRITE": 1},
+    "TransferStatus": {"WAITING": 0, "COMPLETED": 1, "TIMEOUT": 2, "FAILED": 3},
+    "AsyncConnectStatus": {
+        "NOT_CONNECT": 0, "CONNECT_PENDING": 1, "CONNECTING": 2, "CONNECTED": 3,
+        "CONNECT_FAILED": 4, "DISCONNECT_PENDING": 5, "DISCONNECTING": 6,
+    },
+    "FeatureType": {"AUTO_CONNECT": 0, "CLIENT_SERVER_COMM": 1},
+}
+EXPORTED_ENUMS = ("MemType", "TransferOp", "AsyncConnectStatus", "FeatureType")
+
+OPTIONS = {
+    "OPTION_ENABLE_USE_FABRIC_MEM": "EnableUseFabricMem",
+    "OPTION_RDMA_TRAFFIC_CLASS": "RdmaTrafficClass",
+    "OPTION_RDMA_SERVICE_LEVEL": "RdmaServiceLevel",
+    "OPTION_BUFFER_POOL": "BufferPool",
+    "OPTION_GLOBAL_RESOURCE_CONFIG": "GlobalResourceConfig",
+    "OPTION_AUTO_CONNECT": "AutoConnect",
+    "OPTION_LOCAL_COMM_RES": "LocalCommRes",
+}
+
+
+@pytest.mark.parametrize("name,value", sorted(STATUS.items()))
+def test_status_codes(name, value):
+    got = getattr(T, name)
+    assert type(got) is int and got == value
+    assert T.status_name(value) == name
+
+
+def test_status_name_unknown_never_raises():
+    assert T.status_name(12345) == "UNKNOWN(12345)"
+    assert T.status_name(True).startswith("UNKNOWN")  # bool is not a status code
+    assert T.status_name("x").startswith("UNKNOWN")
+    assert T.status_name(None).startswith("UNKNOWN")
+
+
+@pytest.mark.parametrize("cls_name", sorted(ENUMS))
+def test_enum_members(cls_name):
+    cls = getattr(T, cls_name)
+    assert issubclass(cls, enum.IntEnum)
+    assert {m.name: int(m) for m in cls} == ENUMS[cls_name]
+    for name, value in ENUMS[cls_name].items():
+        assert cls(value) is cls[name]
+        assert cls[name] == value  # int-comparable
+
+
+@pytest.mark.parametrize("cls_name", EXPORTED_ENUMS)
+def test_enum_members_are_module_constants(cls_name):
+    cls = getattr(T, cls_name)
+    for m in cls:
+        assert getattr(T, m.name) is m
+        assert m.name in T.__all__
+
+
+def test_transfer_status_members_not_exported():
+    assert not hasattr(T, "WAITING")
+    assert not hasattr(T, "COMPLETED")
+    # TIMEOUT / FAILED at module level are the status codes, not TransferStatus members.
+    assert T.TIMEOUT == 103901 and not isinstance(T.TIMEOUT, T.TransferStatus)
+    assert T.FAILED == 503900 and not isinstance(T.FAILED, T.TransferStatus)
+    for name in ("WAITING", "COMPLETED"):
+        assert name not in T.__all__
+
+
+def test_feature_and_limit_constants():
+    assert T.FEATURE_SUPPORTED == 1 and T.FEATURE_NOT_SUPPORTED == 0
+    assert T.MAX_NOTIFY_LEN == 1024 and T.MAX_UNREAD_NOTIFIES == 4096
+
+
+@pytest.mark.parametrize("name,value", sorted(OPTIONS.items()))
+def test_option_keys(name, value):
+    assert getattr(T, name) == value
+
+
+def test_module_doc_and_all():
+    assert T.__doc__ and "CANN" in T.__doc__
+    assert len(T.__all__) == len(set(T.__all__))
+    for name in T.__all__:
+        assert hasattr(T, name), name
+    expected = set(STATUS) | set(ENUMS) | set(OPTIONS) | {
+        "status_name", "FEATURE_SUPPORTED", "FEATURE_NOT_SUPPORTED", "MAX_NOTIFY_LEN",
+        "MAX_UNREAD_NOTIFIES", "MemDesc", "TransferOpDesc", "TransferArgs",
+        "GetTransferStatusArgs", "TransferResult", "NotifyDesc", "validate_mem_desc",
+        "validate_op_desc", "validate_notify", "ParsedOptions", "parse_options",
+        "get_capability", "parse_engine_address",
+    }
+    assert expected <= set(T.__all__)
+    public = {n for n in vars(T) if not n.startswith("_")} - {
+        "annotations", "dataclass", "enum", "field", "ipaddress", "operator", "os", "re",
+        "Any", "Dict", "List", "Optional", "Tuple",
+    }
+    assert public <= set(T.__all__), public - set(T.__all__)
+
+
+# ---------------------------------------------------------------- data classes
+
+DATACLASSES = [
+    ("MemDesc", [("addr", 0), ("len", 0)]),
+    ("TransferOpDesc", [("local_addr", 0), ("remote_addr", 0), ("len", 0)]),
+    ("TransferArgs", [("user_data", 0)]),
+    ("GetTransferStatusArgs", [("max_query_count", 2 ** 32 - 1), ("skip_waiting", False)]),
+    ("TransferResult", [("req", 0), ("user_data", 0), ("status", T.TransferStatus.WAITING)]),
+    ("NotifyDesc", [("name", ""), ("notify_msg", "")]),
+]
+
+
+@pytest.mark.parametrize("cls_name,fields", DATACLASSES)
+def test_dataclass_defaults_and_field_order(cls_name, fields):
+    cls = getattr(T, cls_name)
+    assert [f.name for f in dataclasses.fields(cls)] == [n for n, _ in fields]
+    obj = cls()
+    for name, default in fields:
+        got = getattr(obj, name)
+        assert got == default and type(got) is type(default)
+
+
+@pytest.mark.parametrize("cls_name,fields", DATACLASSES)
+def test_dataclass_kwargs_positional_mutation_equality(cls_name, fields):
+    cls = getattr(T, cls_name)
+    values = ["v%d" % i for i in range(len(fields))]
+    kw = cls(**{n: v for (n, _), v in zip(fields, values)})
+    pos = cls(*values)
+    assert kw == pos
+    assert kw != cls()
+    r = repr(kw)
+    assert r.startswith(cls_name + "(")
+    for (name, _), v in zip(fields, values):
+        assert "%s=%r" % (name, v) in r
+    first = fields[0][0]
+    setattr(pos, first, "changed")
+    assert getattr(pos, first) == "changed" and pos != kw
+    with pytest.raises(TypeError):
+        cls(*values, "one too many")
+
+
+def test_dataclass_cann_style_usage():
+    d = T.MemDesc(0x1000, 4096)
+    assert (d.addr, d.len) == (0x1000, 4096)
+    op = T.TransferOpDesc(1, 2, 3)
+    assert (op.local_addr, op.remote_addr, op.len) == (1, 2, 3)
+    res = T.TransferResult(req=7, status=T.TransferStatus.COMPLETED)
+    assert res.user_data == 0 and res.status == 1
+    assert T.MemDesc(1, 2) != T.TransferOpDesc(1, 2)  # different classes never equal
+
+
+def test_dataclass_defaults_not_shared():
+    a, b = T.GetTransferStatusArgs(), T.GetTransferStatusArgs()
+    a.max_query_count = 1
+    assert b.max_query_count == 2 ** 32 - 1
+
+
+# ----------------------------------------------------------------- validation
+
+U64 = 2 ** 64
+
+
+@pytest.mark.parametrize("addr,length,ok", [
+    (0x1000, 1, True),
+    (0, 1, True),
+    (U64 - 1, 1, True),            # ends exactly at 2**64
+    (0, U64 - 1, True),
+    (U64 - 4096, 4096, True),
+    (U64 - 4096, 4097, False),     # wraps
+    (U64 - 1, 2, False),
+    (1, U64 - 1, True),            # also ends exactly at 2**64
+    (2, U64 - 1, False),
+    (0x1000, 0, False),            # empty
+    (-1, 16, False),
+    (16, -1, False),
+    (U64, 1, False),
+    (0, U64, False),
+    (True, 16, False),             # bools rejected
+    (16, True, False),
+    (False, 16, False),
+    (1.0, 16, False),
+    (16, 1.5, False),
+    ("16", 16, False),
+    (None, 16, False),
+])
+def test_validate_mem_desc(addr, length, ok):
+    want = T.SUCCESS if ok else T.PARAM_INVALID
+    assert T.validate_mem_desc(T.MemDesc(addr, length)) == want
+
+
+def test_validate_mem_desc_odd_inputs():
+    assert T.validate_mem_desc(None) == T.PARAM_INVALID
+    assert T.validate_mem_desc(object()) == T.PARAM_INVALID
+    assert T.validate_mem_desc(T.MemDesc()) == T.PARAM_INVALID  # len 0
+    assert T.validate_mem_desc(T.MemDesc(addr=T.MemType.MEM_HOST, len=8)) == T.SUCCESS  # IntEnum is int
+
+
+def test_validate_accepts_numpy_ints_rejects_numpy_bool():
+    np = pytest.importorskip("numpy")
+    assert T.validate_mem_desc(T.MemDesc(np.uint64(4096), np.int64(8))) == T.SUCCESS
+    assert T.validate_mem_desc(T.MemDesc(np.bool_(True), 8)) == T.PARAM_INVALID
+    assert T.validate_mem_desc(T.MemDesc(np.int64(-1), 8)) == T.PARAM_INVALID
+
+
+@pytest.mark.parametrize("local,remote,length,ok", [
+    (0x1000, 0x2000, 64, True),
+    (0, 0, 1, True),
+    (U64 - 64, U64 - 64, 64, True),
+    (U64 - 64, 0, 65, False),      # local wraps
+    (0, U64 - 64, 65, False),      # remote wraps
+    (0x1000, 0x2000, 0, False),
+    (-1, 0, 1, False),
+    (0, -1, 1, False),
+    (0, 0, -1, False),
+    (U64, 0, 1, False),
+    (0, U64, 1, False),
+    (True, 0, 1, False),
+    (0, True, 1, False),
+    (0, 0, True, False),
+    (0, 0, 1.0, False),
+])
+def test_validate_op_desc(local, remote, length, ok):
+    want = T.SUCCESS if ok else T.PARAM_INVALID
+    assert T.validate_op_desc(T.TransferOpDesc(local, remote, length)) == want
+
+
+def test_validate_op_desc_odd_inputs():
+    assert T.validate_op_desc(None) == T.PARAM_INVALID
+    assert T.validate_op_desc(T.MemDesc(1, 1)) == T.PARAM_INVALID  # lacks local/remote
+    assert T.validate_op_desc(T.TransferOpDesc()) == T.PARAM_INVALID
+
+
+@pytest.mark.parametrize("name,msg,ok", [
+    ("", "", True),
+    ("peer", "hello", True),
+    ("n" * 1024, "m" * 1024, True),
+    ("é" * 1024, "字" * 1024, True),  # characters, not bytes
+    ("n" * 1025, "", False),
+    ("", "m" * 1025, False),
+    (b"peer", "x", False),
+    ("peer", b"x", False),
+    (None, "x", False),
+    ("peer", 5, False),
+])
+def test_validate_notify(name, msg, ok):
+    want = T.SUCCESS if ok else T.PARAM_INVALID
+    assert T.validate_notify(T.NotifyDesc(name, msg)) == want
+
+
+def test_validate_notify_odd_inputs():
+    assert T.validate_notify(None) == T.PARAM_INVALID
+    assert T.validate_notify(object()) == T.PARAM_INVALID
+
+
+# -------------------------------------------------------------------- options
+
+@pytest.fixture
+def no_env(monkeypatch):
+    monkeypatch.delenv("HIXL_TRANSPORT", raising=False)
+
+
+def ok(options):
+    ret, p = T.parse_options(options)
+    assert ret == T.SUCCESS, p.error
+    assert p.error == ""
+    return p
+
+
+def bad(options):
+    ret, p = T.parse_options(options)
+    assert ret == T.PARAM_INVALID
+    assert isinstance(p, T.ParsedOptions) and p.error
+    return p
+
+
+def test_parse_options_defaults(no_env):
+    for options in ({}, None):
+        p = ok(options)
+        assert p.transport == "auto"
+        assert p.rdma_traffic_class is None and p.rdma_service_level is None
+        assert p.auto_connect is False and p.device is None and p.gid_index is None
+        assert p.ignored == [] and p.not_applicable == [] and p.raw == {}
+
+
+def test_parse_options_full(no_env):
+    opts = {
+        T.OPTION_RDMA_TRAFFIC_CLASS: "255", T.OPTION_RDMA_SERVICE_LEVEL: "15",
+        T.OPTION_AUTO_CONNECT: "1", "HixlTransport": "shm", "HixlDevice": "mlx5_0",
+        "HixlGidIndex": "3",
+    }
+    p = ok(opts)
+    assert (p.rdma_traffic_class, p.rdma_service_level) == (255, 15)
+    assert p.auto_connect is True
+    assert (p.transport, p.device, p.gid_index) == ("shm", "mlx5_0", 3)
+    assert p.raw == opts and p.ignored == [] and p.not_applicable == []
+    assert ok({T.OPTION_AUTO_CONNECT: "0", T.OPTION_RDMA_TRAFFIC_CLASS: "0",
+               T.OPTION_RDMA_SERVICE_LEVEL: "0"}).auto_connect is False
+
+
+@pytest.mark.parametrize("key,value", [
+    ("RdmaTrafficClass", "256"), ("RdmaTrafficClass", "-1"), ("RdmaTrafficClass", "abc"),
+    ("RdmaTrafficClass", ""), ("RdmaTrafficClass", "1.5"), ("RdmaTrafficClass", "0x10"),
+    ("RdmaTrafficClass", " 5"), ("RdmaTrafficClass", "+5"), ("RdmaTrafficClass", "\u0661"),
+    ("RdmaServiceLevel", "16"), ("RdmaServiceLevel", "-0"), ("RdmaServiceLevel", "x"),
+    ("AutoConnect", "2"), ("AutoConnect", "true"), ("AutoConnect", ""), ("AutoConnect", " 1"),
+    ("HixlTransport", "ib"), ("HixlTransport", ""), ("HixlDevice", ""), ("HixlDevice", "  "),
+    ("HixlGidIndex", "256"), ("HixlGidIndex", "-1"), ("HixlGidIndex", "one"),
+])
+def test_parse_options_bad_values(no_env, key, value):
+    p = bad({key: value})
+    assert key in p.error
+
+
+@pytest.mark.parametrize("options", [
+    {"RdmaTrafficClass": 5},          # value not str
+    {"AutoConnect": 1},
+    {"AutoConnect": True},
+    {"Unknown": None},
+    {5: "1"},                         # key not str
+    {b"AutoConnect": "1"},
+    [("AutoConnect", "1")],           # not a dict
+    "AutoConnect=1",
+    42,
+])
+def test_parse_options_bad_types(no_env, options):
+    bad(options)
+
+
+def test_parse_options_unknown_and_not_applicable(no_env):
+    opts = {
+        "SomethingNew": "x", T.OPTION_ENABLE_USE_FABRIC_MEM: "1", T.OPTION_BUFFER_POOL: "4:8",
+        T.OPTION_GLOBAL_RESOURCE_CONFIG: '{"a": 1}', T.OPTION_LOCAL_COMM_RES: "{}",
+        "llm.Other": "y",
+    }
+    p = ok(opts)
+    assert p.ignored == ["SomethingNew", "llm.Other"]
+    assert p.not_applicable == ["EnableUseFabricMem", "BufferPool", "GlobalResourceConfig",
+                                "LocalCommRes"]
+    assert p.enable_use_fabric_mem == "1" and p.buffer_pool == "4:8"
+    assert p.global_resource_config == '{"a": 1}' and p.local_comm_res == "{}"
+    assert p.raw == opts
+
+
+@pytest.mark.parametrize("value,want", [
+    ("auto", "auto"), ("rdma", "rdma"), ("shm", "shm"), ("tcp", "tcp"), ("RDMA", "rdma"),
+])
+def test_parse_options_transport_values(no_env, value, want):
+    assert ok({"HixlTransport": value}).transport == want
+
+
+def test_parse_options_transport_env_default(monkeypatch):
+    monkeypatch.setenv("HIXL_TRANSPORT", "tcp")
+    assert ok({}).transport == "tcp"
+    assert ok({"HixlTransport": "shm"}).transport == "shm"  # explicit option wins
+    monkeypatch.setenv("HIXL_TRANSPORT", "")
+    assert ok({}).transport == "auto"
+    monkeypatch.setenv("HIXL_TRANSPORT", "bogus")
+    p = bad({})
+    assert "HIXL_TRANSPORT" in p.error
+    assert ok({"HixlTransport": "rdma"}).transport == "rdma"  # env not consulted
+
+
+def test_parse_options_does_not_mutate_input(no_env):
+    opts = {"AutoConnect": "1", "X": "y"}
+    ok(opts)
+    assert opts == {"AutoConnect": "1", "X": "y"}
+
+
+def test_parse_options_never_raises_on_broken_mapping(no_env):
+    class Broken(dict):
+        def items(self):
+            raise RuntimeError("boom")
+
+    p = bad(Broken(a="b"))
+    assert "boom" in p.error
+
+
+# ----------------------------------------------------------------- capability
+
+@pytest.mark.parametrize("feature", [T.AUTO_CONNECT, T.CLIENT_SERVER_COMM, 0, 1,
+                                     T.FeatureType.CLIENT_SERVER_COMM])
+def test_get_capability_supported(feature):
+    assert T.get_capability(feature) == (T.SUCCESS, T.FEATURE_SUPPORTED)
+
+
+@pytest.mark.parametrize("feature", [2, -1, 99, True, False, None, "AUTO_CONNECT", 0.0, [0]])
+def test_get_capability_invalid(feature):
+    assert T.get_capability(feature) == (T.PARAM_INVALID, T.FEATURE_NOT_SUPPORTED)
+
+
+# -------------------------------------------------------------------- address
+
+@pytest.mark.parametrize("s,host,port", [
+    ("127.0.0.1:26000", "127.0.0.1", 26000),
+    ("10.0.0.1:0", "10.0.0.1", 0),
+    ("10.0.0.1:65535", "10.0.0.1", 65535),
+    ("10.0.0.1", "10.0.0.1", None),
+    ("[::1]:0", "::1", 0),
+    ("[::1]:8080", "::1", 8080),
+    ("[::1]", "::1", None),
+    ("::1", "::1", None),
+    ("[2001:DB8::1]:1", "2001:db8::1", 1),
+    ("[fe80::1%eth0]:5", "fe80::1%eth0", 5),
+    ("0.0.0.0:80", "0.0.0.0", 80),
+])
+def test_parse_engine_address_good(s, host, port):
+    assert T.parse_engine_address(s) == (T.SUCCESS, host, port)
+
+
+@pytest.mark.parametrize("s", [
+    "", "1.2.3.4:65536", "1.2.3.4:-1", "1.2.3.4:", "1.2.3.4:abc", "host:abc", "host:80",
+    "localhost", "[::1", "[::1]:", "[::1]:x", "[::1]8080", "[1.2.3.4]:80", "[]:80", ":80",
+    "1.2.3.4:80:90", "1.2.3:80", "256.1.1.1:80", " 1.2.3.4:80", "1.2.3.4: 80", "1.2.3.4:+80",
+    "::1:80:", None, 80, b"1.2.3.4:80",
+])
+def test_parse_engine_address_bad(s):
+    assert T.parse_engine_address(s) == (T.PARAM_INVALID, None, None)
