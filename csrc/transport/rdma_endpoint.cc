@@ -311,6 +311,7 @@ int Endpoint::progress_locked(int budget) {
           why += " (remote address/rkey/access not permitted by the peer's memory region)";
         else if (wc[i].status == IBV_WC_LOC_PROT_ERR || wc[i].status == IBV_WC_LOC_LEN_ERR)
           why += " (local buffer not covered by a registered memory region)";
+        retire_completed_locked();  // requests finished before the failure stay COMPLETED
         mark_dead_locked(why);
         continue;
       }
