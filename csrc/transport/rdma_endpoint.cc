@@ -384,39 +384,48 @@ bool Endpoint::wait_for_room_locked(std::unique_lock<std::mutex>& lk, uint32_t n
 }
 
 uint64_t Endpoint::submit(Op op, const std::vector<Desc>& descs, uint32_t imm, milliseconds timeout) {
-  // Validate everything before posting anything.
-  std::vector<uint32_t> lkeys(descs.size());
+  // Validate everything before posting anything. (No heap allocation on the small-request path:
+  // this runs once per transfer and shows up directly in the 8 B latency.)
+  uint32_t lkey_small[8];
+  std::vector<uint32_t> lkey_big;
+  uint32_t* lkeys = lkey_small;
+  if (descs.size() > 8) {
+    lkey_big.resize(descs.size());
+    lkeys = lkey_big.data();
+  }
+  uint64_t total = 0;  // work requests this request needs
   for (size_t i = 0; i < descs.size(); ++i) {
     const Desc& d = descs[i];
     if (d.local_addr + d.length < d.local_addr || d.remote_addr + d.length < d.remote_addr)
       throw Error(CallDesc("submit").arg("op", op_name(op)).arg("desc", i).hex("local_addr", d.local_addr)
                       .hex("remote_addr", d.remote_addr).arg("len", d.length).str() + ": range wraps the address space");
-    if (d.length) lkeys[i] = lkey_for(d.local_addr, d.length, op == Op::kRead);
+    lkeys[i] = d.length ? lkey_for(d.local_addr, d.length, op == Op::kRead) : 0;
+    total += (d.length + opts_.slice_bytes - 1) / opts_.slice_bytes;
   }
+  const bool pure_flag = op == Op::kWriteImm && total == 0;  // zero-length write-with-imm
+  if (pure_flag) total = 1;
   std::unique_lock<std::mutex> lk(mu_);
   check_usable_locked();
   uint64_t id = next_req_++;
   Req& req = reqs_[id];
   req.deadline = deadline_after(timeout);
 
-  // Flatten into slices: (desc index, offset, length).
-  struct Slice { size_t d; uint64_t off, len; };
-  std::vector<Slice> slices;
-  for (size_t i = 0; i < descs.size(); ++i)
-    for (uint64_t off = 0; off < descs[i].length; off += opts_.slice_bytes)
-      slices.push_back({i, off, std::min<uint64_t>(opts_.slice_bytes, descs[i].length - off)});
-  if (op == Op::kWriteImm && slices.empty()) slices.push_back({SIZE_MAX, 0, 0});  // zero-length write-with-imm
-  if (slices.empty()) {
+  if (total == 0) {
     req.status = Status::kCompleted;
     req.fully_posted = true;
     return id;
   }
 
-  size_t next = 0;
-  while (next < slices.size()) {
+  // Cursor over the slices: descriptor index and offset inside it (zero-length descriptors skipped).
+  size_t cur_d = 0;
+  uint64_t cur_off = 0;
+  auto skip_empty = [&] { while (cur_d < descs.size() && descs[cur_d].length == 0) ++cur_d; };
+  skip_empty();
+  uint64_t next = 0;
+  while (next < total) {
     if (dead_) break;  // the request was failed by fail_all_locked
     // Backpressure: wait until a whole chain fits, so doorbells stay batched under load.
-    uint32_t want = uint32_t(std::min<size_t>(opts_.max_chain, slices.size() - next));
+    uint32_t want = uint32_t(std::min<uint64_t>(opts_.max_chain, total - next));
     if (sq_depth_ - (next_seq_ - completed_seq_) < want) {
       bool room;
       try {
@@ -428,33 +437,37 @@ uint64_t Endpoint::submit(Op op, const std::vector<Desc>& descs, uint32_t imm, m
       if (!room) {  // what was posted stays in flight; the request is reported TIMEOUT
         req.status = Status::kTimeout;
         req.error = "request " + std::to_string(id) + " timed out waiting for send-queue room after posting " +
-                    std::to_string(next) + " of " + std::to_string(slices.size()) + " work requests";
+                    std::to_string(next) + " of " + std::to_string(total) + " work requests";
         return id;
       }
       continue;
     }
     uint32_t room = uint32_t(sq_depth_ - (next_seq_ - completed_seq_));
-    uint32_t n = uint32_t(std::min<size_t>({size_t(room), size_t(opts_.max_chain), slices.size() - next}));
+    uint32_t n = uint32_t(std::min<uint64_t>({uint64_t(room), uint64_t(opts_.max_chain), total - next}));
     for (uint32_t k = 0; k < n; ++k) {
-      const Slice& s = slices[next + k];
       ibv_send_wr& wr = wrs_[k];
       ibv_sge& sge = sges_[k];
       wr = ibv_send_wr{};
       uint64_t seq = next_seq_ + 1 + k;
       wr.wr_id = seq;
-      bool last_of_req = next + k + 1 == slices.size();
-      if (s.d != SIZE_MAX) {
-        const Desc& d = descs[s.d];
-        sge.addr = d.local_addr + s.off;
-        sge.length = uint32_t(s.len);
-        sge.lkey = lkeys[s.d];
+      bool last_of_req = next + k + 1 == total;
+      uint64_t len = 0;
+      if (!pure_flag) {
+        const Desc& d = descs[cur_d];
+        len = std::min<uint64_t>(opts_.slice_bytes, d.length - cur_off);
+        sge.addr = d.local_addr + cur_off;
+        sge.length = uint32_t(len);
+        sge.lkey = lkeys[cur_d];
         wr.sg_list = &sge;
         wr.num_sge = 1;
-        wr.wr.rdma.remote_addr = d.remote_addr + s.off;
+        wr.wr.rdma.remote_addr = d.remote_addr + cur_off;
         wr.wr.rdma.rkey = d.rkey;
-      } else {
-        wr.wr.rdma.remote_addr = 0;
-        wr.wr.rdma.rkey = 0;
+        cur_off += len;
+        if (cur_off == d.length) {
+          ++cur_d;
+          cur_off = 0;
+          skip_empty();
+        }
       }
       if (op == Op::kRead) {
         wr.opcode = IBV_WR_RDMA_READ;
@@ -464,7 +477,7 @@ uint64_t Endpoint::submit(Op op, const std::vector<Desc>& descs, uint32_t imm, m
       } else {
         wr.opcode = IBV_WR_RDMA_WRITE;
       }
-      if (op != Op::kRead && s.len && s.len <= opts_.max_inline) wr.send_flags |= IBV_SEND_INLINE;
+      if (op != Op::kRead && len && len <= opts_.max_inline) wr.send_flags |= IBV_SEND_INLINE;
       // Selective signaling: the last WR of the request, of the chain, and every signal_every-th.
       if (last_of_req || k + 1 == n || seq % signal_every_ == 0) {
         wr.send_flags |= IBV_SEND_SIGNALED;
