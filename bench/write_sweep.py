@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -31,12 +32,24 @@ def pct(xs, q):
 
 
 # -- perftest ---------------------------------------------------------------------------------
+PIN = {"on": False}  # --pin: server/responder on CPU 1, client/initiator on CPU 0, for perftest and hixl alike
+
+
+def _taskset(cpu):
+    return ["taskset", "-c", str(cpu)] if PIN["on"] else []
+
+
+def _pin_this_thread(cpu):
+    if PIN["on"]:
+        os.sched_setaffinity(0, {cpu})  # pid 0 = the calling thread on Linux
+
+
 def run_perftest(tool, size, iters, device, gid_index, server_ip, port, extra=()):
     base = [tool, "-d", device, "-x", str(gid_index), "-s", str(size), "-n", str(iters), "-F", "-p", str(port), *extra]
-    srv = subprocess.Popen(base, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    srv = subprocess.Popen(_taskset(1) + base, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     time.sleep(1.0)
     try:
-        cli = subprocess.run(base + [server_ip], capture_output=True, text=True, timeout=600)
+        cli = subprocess.run(_taskset(0) + base + [server_ip], capture_output=True, text=True, timeout=600)
     finally:
         try:
             srv.wait(60)
@@ -81,6 +94,7 @@ class Pair:
         out = {}
 
         def responder():
+            _pin_this_thread(1)
             out["resp"] = _core.perf_write_pingpong(self.b.raw, self.mb.addr, self.ma.addr + size, self.ma.rkey,
                                                     size, iters, False, 60000)
 
@@ -88,6 +102,7 @@ class Pair:
         self.buf_b[:] = 0
         t = threading.Thread(target=responder)
         t.start()
+        _pin_this_thread(0)
         rtt = _core.perf_write_pingpong(self.a.raw, self.ma.addr, self.mb.addr + size, self.mb.rkey, size, iters,
                                         True, 60000)
         t.join()
@@ -130,9 +145,12 @@ def main(argv=None):
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--port-base", type=int, default=18515)
     ap.add_argument("--skip-perftest", action="store_true")
+    ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=(os.cpu_count() or 1) >= 2,
+                    help="pin both ends to CPUs 1 and 0, perftest and hixl alike (default: on with >= 2 CPUs)")
     ap.add_argument("--json", default="bench/results/write_sweep.json")
     a = ap.parse_args(argv)
     sizes = [int(s) for s in a.sizes.split(",")]
+    PIN["on"] = a.pin
     span = max(max(sizes), 4 * MiB)
 
     rows = []
@@ -172,7 +190,7 @@ def main(argv=None):
               f"{r.get('bw_ratio', float('nan')):>8.2f}")
     print(f"python per-call overhead (8 B write+wait): python {overhead['python_write_wait_us']:.1f} us, "
           f"C++ {overhead['cpp_write_wait_us']:.1f} us, overhead {overhead['python_overhead_us']:.1f} us/call")
-    report = {"device": a.device, "units": {"latency": "us (half round trip)", "bandwidth": "MiB/s (2^20 B/s)"},
+    report = {"device": a.device, "pinned": a.pin, "units": {"latency": "us (half round trip)", "bandwidth": "MiB/s (2^20 B/s)"},
               "rows": rows, "python_overhead": overhead}
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(report, indent=2))

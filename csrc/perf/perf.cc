@@ -38,8 +38,8 @@ std::vector<uint64_t> write_pingpong(rdma::Endpoint& ep, uint8_t* buf, uint64_t 
   std::deque<uint64_t> pending;  // reap completions lazily, as perftest does with its CQ moderation
   for (uint32_t i = 0; i < iters; ++i) {
     uint8_t marker = uint8_t(i % 255 + 1);
-    auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
     auto t0 = Clock::now();
+    auto deadline = t0 + std::chrono::milliseconds(timeout_ms);
     if (!initiator) spin_for_marker(inbox_last, marker, deadline, i);
     *send_last = marker;
     pending.push_back(ep.submit(rdma::Op::kWrite, d));

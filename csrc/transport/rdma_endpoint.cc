@@ -518,7 +518,7 @@ RequestResult Endpoint::status_locked(uint64_t id) {
   auto it = reqs_.find(id);
   if (it == reqs_.end()) return {Status::kFailed, "unknown request " + std::to_string(id)};
   Req& r = it->second;
-  if (r.status == Status::kWaiting && Clock::now() >= r.deadline) {
+  if (r.status == Status::kWaiting && r.deadline != Clock::time_point::max() && Clock::now() >= r.deadline) {
     r.status = Status::kTimeout;
     r.error = "request " + std::to_string(id) + " passed its deadline";
   }
