@@ -27,6 +27,11 @@ from hixl import _core
 MiB = 1 << 20
 
 
+def ratio(ours, ref):
+    """ours / ref; NaN when the reference printed 0 (perftest rounds tiny 8 B bandwidths to 0.00)."""
+    return ours / ref if ref else float("nan")
+
+
 def pct(xs, q):
     return float(np.percentile(np.asarray(xs, dtype=float), q)) if len(xs) else float("nan")
 
@@ -171,8 +176,8 @@ def main(argv=None):
             row["hixl_lat"] = pair.latency(size, row["lat_iters"])
             row["hixl_bw"] = pair.bandwidth(size, row["bw_iters"], min(a.window, row["bw_iters"]), a.trials)
             if "perftest_lat" in row:
-                row["lat_ratio"] = row["hixl_lat"]["typical_us"] / row["perftest_lat"]["typical_us"]
-                row["bw_ratio"] = row["hixl_bw"]["avg_MiBps"] / row["perftest_bw"]["avg_MiBps"]
+                row["lat_ratio"] = ratio(row["hixl_lat"]["typical_us"], row["perftest_lat"]["typical_us"])
+                row["bw_ratio"] = ratio(row["hixl_bw"]["avg_MiBps"], row["perftest_bw"]["avg_MiBps"])
             print(f"hixl done for {size} B", file=sys.stderr, flush=True)
         overhead = pair.python_overhead(500)
     finally:
