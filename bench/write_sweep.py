@@ -32,6 +32,17 @@ def ratio(ours, ref):
     return ours / ref if ref else float("nan")
 
 
+def _json_safe(obj):
+    """NaN is not JSON: write null."""
+    if isinstance(obj, float) and obj != obj:
+        return None
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_json_safe(v) for v in obj]
+    return obj
+
+
 def pct(xs, q):
     return float(np.percentile(np.asarray(xs, dtype=float), q)) if len(xs) else float("nan")
 
@@ -198,7 +209,7 @@ def main(argv=None):
     report = {"device": a.device, "pinned": a.pin, "units": {"latency": "us (half round trip)", "bandwidth": "MiB/s (2^20 B/s)"},
               "rows": rows, "python_overhead": overhead}
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.json).write_text(json.dumps(report, indent=2))
+    Path(a.json).write_text(json.dumps(_json_safe(report), indent=2))
     print(f"JSON: {a.json}")
 
 
