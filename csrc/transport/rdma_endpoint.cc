@@ -237,12 +237,7 @@ void Endpoint::deregister_memory(uint64_t handle) {
     mr = std::move(it->second);
     regions_.erase(it);
   }
-}
-
-std::shared_ptr<verbs::MemoryRegion> Endpoint::region(uint64_t handle) const {
-  std::lock_guard<std::mutex> g(reg_mu_);
-  auto it = regions_.find(handle);
-  return it == regions_.end() ? nullptr : it->second;
+  // mr goes out of scope here: ibv_dereg_mr runs outside reg_mu_ (it can take a while for big regions).
 }
 
 uint32_t Endpoint::lkey_for(uint64_t addr, uint64_t len, bool local_write) const {
@@ -412,7 +407,6 @@ uint64_t Endpoint::submit(Op op, const std::vector<Desc>& descs, uint32_t imm, m
 
   if (total == 0) {
     req.status = Status::kCompleted;
-    req.fully_posted = true;
     return id;
   }
 
@@ -503,8 +497,6 @@ uint64_t Endpoint::submit(Op op, const std::vector<Desc>& descs, uint32_t imm, m
     stats_.posted_wrs += n;
     ++stats_.doorbells;
   }
-  req.last_seq = next_seq_;
-  req.fully_posted = true;
   if (req.status == Status::kWaiting && dead_) {
     req.status = Status::kFailed;
     req.error = dead_reason_;

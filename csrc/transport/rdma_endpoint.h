@@ -95,7 +95,6 @@ class Endpoint {
   // Memory registration. Returns a handle (> 0). Access: verbs flags.
   std::pair<uint64_t, std::shared_ptr<verbs::MemoryRegion>> register_memory(void* addr, size_t len, int access);
   void deregister_memory(uint64_t handle);
-  std::shared_ptr<verbs::MemoryRegion> region(uint64_t handle) const;
 
   // Posts descs as one request; blocks only for send-queue room (never fails with "queue full").
   // imm is used for kWriteImm (carried by the last work request). timeout < 0: no deadline.
@@ -124,9 +123,7 @@ class Endpoint {
 
  private:
   struct Req {
-    Status status = Status::kWaiting;
-    uint64_t last_seq = 0;  // sequence of its last (signaled) work request; 0 = nothing posted yet
-    bool fully_posted = false;
+    Status status = Status::kWaiting;  // its last work request's sequence lives in inflight_
     std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max();
     std::string error;
   };
