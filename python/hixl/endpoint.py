@@ -119,7 +119,7 @@ class Endpoint:
             if buf <= 0 or length <= 0:
                 raise HixlError(f"register(addr={buf:#x}, length={length}): address and length must be > 0")
             h, addr, ln, lkey, rkey = self._ep.register_addr(buf, length, access)
-            owner = None
+            owner = export = None
         else:
             if length is not None:
                 raise HixlError("register(buffer): length is taken from the buffer; slice it instead")
@@ -133,16 +133,20 @@ class Endpoint:
                 export.release()
                 raise
             owner = buf
-        mr = MemoryRegion(h, addr, ln, lkey, rkey, owner, export if not isinstance(buf, int) else None)
+        mr = MemoryRegion(h, addr, ln, lkey, rkey, owner, export)
         self._regions[h] = mr
         return mr
 
     def deregister(self, mr: Union[MemoryRegion, int]) -> None:
         h = mr.handle if isinstance(mr, MemoryRegion) else int(mr)
         self._ep.deregister(h)
-        gone = self._regions.pop(h, None)
-        if gone is not None and gone.export is not None:
-            gone.export.release()
+        self._forget(h)
+
+    def _forget(self, handle: int) -> None:
+        """Drops our record of a region and lets its owner be resized or freed again."""
+        mr = self._regions.pop(handle, None)
+        if mr is not None and mr.export is not None:
+            mr.export.release()
 
     # -- data path --------------------------------------------------------------------------
     @staticmethod
@@ -232,10 +236,8 @@ class Endpoint:
 
     def close(self) -> None:
         self._ep.close()
-        for mr in self._regions.values():
-            if mr.export is not None:
-                mr.export.release()
-        self._regions.clear()
+        for h in list(self._regions):
+            self._forget(h)
 
     def __enter__(self) -> "Endpoint":
         return self
