@@ -4,53 +4,61 @@
 #include <cstring>
 
 #include "verbs/error.h"
+#include "wire/codec.h"
 
 namespace hixl::wire {
+
+using detail::Reader;
+using detail::Writer;
+
 namespace {
 
-class Writer {
- public:
-  void u8(uint8_t v) { buf_.push_back(v); }
-  void u16(uint16_t v) { for (int i = 0; i < 2; ++i) buf_.push_back(uint8_t(v >> (8 * i))); }
-  void u32(uint32_t v) { for (int i = 0; i < 4; ++i) buf_.push_back(uint8_t(v >> (8 * i))); }
-  void u64(uint64_t v) { for (int i = 0; i < 8; ++i) buf_.push_back(uint8_t(v >> (8 * i))); }
-  void bytes(const uint8_t* p, size_t n) { buf_.insert(buf_.end(), p, p + n); }
-  std::vector<uint8_t>& buf() { return buf_; }
+int log2_mtu(uint16_t mtu) {
+  for (int k = 8; k <= 12; ++k) if (mtu == (1u << k)) return k;
+  return -1;
+}
 
- private:
-  std::vector<uint8_t> buf_;
-};
+}  // namespace
 
-class Reader {
- public:
-  Reader(const uint8_t* p, size_t n, const char* what) : p_(p), n_(n), what_(what) {}
-  void need(size_t k, const char* field) const {
-    if (n_ - off_ < k)
-      throw Error(std::string("wire: truncated ") + what_ + ": field '" + field + "' needs " + std::to_string(k) +
-                  " bytes at offset " + std::to_string(off_) + ", frame has " + std::to_string(n_));
+namespace detail {
+
+void write_regions(Writer& w, const std::vector<Region>& regions) {
+  w.u32(uint32_t(regions.size()));
+  for (const Region& r : regions) {
+    w.u64(r.addr);
+    w.u64(r.len);
+    w.u32(r.rkey);
+    w.u32(r.access);
   }
-  uint8_t u8(const char* f) { need(1, f); return p_[off_++]; }
-  uint16_t u16(const char* f) { return uint16_t(le(2, f)); }
-  uint32_t u32(const char* f) { return uint32_t(le(4, f)); }
-  uint64_t u64(const char* f) { return le(8, f); }
-  void bytes(uint8_t* out, size_t k, const char* f) { need(k, f); std::memcpy(out, p_ + off_, k); off_ += k; }
-  size_t remaining() const { return n_ - off_; }
+}
 
- private:
-  uint64_t le(size_t k, const char* f) {
-    need(k, f);
-    uint64_t v = 0;
-    for (size_t i = 0; i < k; ++i) v |= uint64_t(p_[off_ + i]) << (8 * i);
-    off_ += k;
-    return v;
+std::vector<Region> read_regions(Reader& r, const char* what) {
+  uint32_t n = r.u32("region_count");
+  // Validate the count against the bytes actually present before allocating anything.
+  if (uint64_t(n) * kRegionSize > r.remaining())
+    throw Error(std::string("wire: ") + what + ": region_count " + std::to_string(n) + " needs " +
+                std::to_string(uint64_t(n) * kRegionSize) + " bytes, " + std::to_string(r.remaining()) +
+                " present");
+  std::vector<Region> out;
+  out.reserve(n);
+  for (uint32_t i = 0; i < n; ++i) {
+    Region g;
+    g.addr = r.u64("region.addr");
+    g.len = r.u64("region.len");
+    g.rkey = r.u32("region.rkey");
+    g.access = r.u32("region.access");
+    const std::string at = std::string("wire: ") + what + ": region " + std::to_string(i);
+    if (g.len == 0) throw Error(at + " has length 0");
+    if (g.addr + g.len < g.addr) throw Error(at + " wraps the address space");
+    if (g.access & ~uint32_t(kRemoteRead | kRemoteWrite)) throw Error(at + " has unknown access bits");
+    out.push_back(g);
   }
-  const uint8_t* p_;
-  size_t n_;
-  size_t off_ = 0;
-  const char* what_;
-};
+  return out;
+}
 
-std::vector<uint8_t> frame(FrameType t, const std::vector<uint8_t>& payload) {
+}  // namespace detail
+
+std::vector<uint8_t> encode_frame(FrameType t, const std::vector<uint8_t>& payload) {
   if (payload.size() > kMaxPayload)
     throw Error("wire: payload of " + std::to_string(payload.size()) + " bytes exceeds the " +
                 std::to_string(kMaxPayload) + "-byte limit (too many regions?)");
@@ -64,14 +72,7 @@ std::vector<uint8_t> frame(FrameType t, const std::vector<uint8_t>& payload) {
   return std::move(w.buf());
 }
 
-int log2_mtu(uint16_t mtu) {
-  for (int k = 8; k <= 12; ++k) if (mtu == (1u << k)) return k;
-  return -1;
-}
-
-}  // namespace
-
-std::vector<uint8_t> encode_hello(const Hello& h) {
+std::vector<uint8_t> encode_hello_payload(const Hello& h) {
   int lg = log2_mtu(h.mtu);
   if (lg < 0) throw Error("wire: encode_hello: mtu=" + std::to_string(h.mtu) + " is not 256..4096 power of two");
   Writer w;
@@ -82,21 +83,17 @@ std::vector<uint8_t> encode_hello(const Hello& h) {
   w.u8(h.port);
   w.bytes(h.gid.data(), 16);
   w.u32(h.flags);
-  w.u32(uint32_t(h.regions.size()));
-  for (const Region& r : h.regions) {
-    w.u64(r.addr);
-    w.u64(r.len);
-    w.u32(r.rkey);
-    w.u32(r.access);
-  }
-  return frame(FrameType::kHello, w.buf());
+  detail::write_regions(w, h.regions);
+  return std::move(w.buf());
 }
 
-std::vector<uint8_t> encode_ready() { return frame(FrameType::kReady, {}); }
+std::vector<uint8_t> encode_hello(const Hello& h) { return encode_frame(FrameType::kHello, encode_hello_payload(h)); }
+
+std::vector<uint8_t> encode_ready() { return encode_frame(FrameType::kReady, {}); }
 
 std::vector<uint8_t> encode_reject(const std::string& reason) {
   std::string r = reason.substr(0, 4096);
-  return frame(FrameType::kReject, std::vector<uint8_t>(r.begin(), r.end()));
+  return encode_frame(FrameType::kReject, std::vector<uint8_t>(r.begin(), r.end()));
 }
 
 Header parse_header(const uint8_t* data, size_t len) {
@@ -111,7 +108,7 @@ Header parse_header(const uint8_t* data, size_t len) {
     throw Error("wire: unsupported protocol version " + std::to_string(h.version) + " (this build speaks " +
                 std::to_string(kVersion) + ")");
   uint16_t t = r.u16("type");
-  if (t < uint16_t(FrameType::kHello) || t > uint16_t(FrameType::kReject))
+  if (t < uint16_t(FrameType::kHello) || t > uint16_t(kLastFrameType))
     throw Error("wire: unknown frame type " + std::to_string(t));
   h.type = FrameType(t);
   h.payload_len = r.u32("payload_len");
@@ -137,25 +134,10 @@ Hello parse_hello(const uint8_t* data, size_t len) {
   if (h.port == 0) throw Error("wire: hello: port 0 is invalid");
   r.bytes(h.gid.data(), 16, "gid");
   h.flags = r.u32("flags");
-  uint32_t n = r.u32("region_count");
-  // Validate the count against the bytes actually present before allocating anything.
-  if (uint64_t(n) * kRegionSize != r.remaining())
-    throw Error("wire: hello: region_count " + std::to_string(n) + " needs " +
-                std::to_string(uint64_t(n) * kRegionSize) + " bytes, " + std::to_string(r.remaining()) +
-                " present");
-  h.regions.reserve(n);
-  for (uint32_t i = 0; i < n; ++i) {
-    Region g;
-    g.addr = r.u64("region.addr");
-    g.len = r.u64("region.len");
-    g.rkey = r.u32("region.rkey");
-    g.access = r.u32("region.access");
-    if (g.len == 0) throw Error("wire: hello: region " + std::to_string(i) + " has length 0");
-    if (g.addr + g.len < g.addr) throw Error("wire: hello: region " + std::to_string(i) + " wraps the address space");
-    if (g.access & ~uint32_t(kRemoteRead | kRemoteWrite))
-      throw Error("wire: hello: region " + std::to_string(i) + " has unknown access bits");
-    h.regions.push_back(g);
-  }
+  h.regions = detail::read_regions(r, "hello");
+  if (r.remaining() != 0)
+    throw Error("wire: hello: " + std::to_string(r.remaining()) + " trailing bytes after " +
+                std::to_string(h.regions.size()) + " regions");
   return h;
 }
 

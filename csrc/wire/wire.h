@@ -22,7 +22,13 @@ constexpr uint32_t kMaxPayload = 1u << 20;  // 1 MiB: ~43k regions; anything big
 constexpr size_t kRegionSize = 24;
 constexpr size_t kHelloFixed = 4 + 4 + 2 + 1 + 1 + 16 + 4 + 4;
 
-enum class FrameType : uint16_t { kHello = 1, kReady = 2, kReject = 3 };
+// 1-3: endpoint handshake. 4+: engine control channel (wire/control.h).
+enum class FrameType : uint16_t {
+  kHello = 1, kReady = 2, kReject = 3,
+  kConnect = 4, kAccept = 5, kRefuse = 6, kNotify = 7, kNotifyAck = 8, kRegions = 9, kRegionsReq = 10,
+  kAbort = 11, kAbortAck = 12, kBye = 13,
+};
+constexpr FrameType kLastFrameType = FrameType::kBye;
 
 // Access bits advertised for a region (independent of ibv_access_flags values).
 enum RegionAccess : uint32_t { kRemoteRead = 1, kRemoteWrite = 2 };
@@ -54,6 +60,8 @@ struct Header {
   uint32_t payload_len = 0;
 };
 
+std::vector<uint8_t> encode_frame(FrameType t, const std::vector<uint8_t>& payload);  // header + payload
+std::vector<uint8_t> encode_hello_payload(const Hello& h);
 std::vector<uint8_t> encode_hello(const Hello& h);
 std::vector<uint8_t> encode_ready();
 std::vector<uint8_t> encode_reject(const std::string& reason);

@@ -1,0 +1,165 @@
+// Engine building blocks that need no device: the region table (local/remote range lookup that
+// gates every transfer) and the control-channel frames.
+#include <random>
+
+#include "check.h"
+#include "engine/region_table.h"
+#include "verbs/error.h"
+#include "wire/control.h"
+
+using namespace hixl;
+using engine::RegionEntry;
+using engine::RegionTable;
+
+namespace {
+
+constexpr uint32_t kRW = wire::kRemoteRead | wire::kRemoteWrite;
+
+void region_table() {
+  RegionTable t;
+  CHECK(t.find(0x1000, 1, 0) == nullptr);  // empty
+  t.insert({0x1000, 0x1000, 11, kRW, 1});
+  t.insert({0x4000, 0x100, 22, wire::kRemoteRead, 2});
+  // Inside, exact bounds, one byte over either end.
+  CHECK(t.find(0x1000, 0x1000, 0) && t.find(0x1000, 0x1000, 0)->key == 11);
+  CHECK(t.find(0x1fff, 1, kRW) && t.find(0x1fff, 1, kRW)->id == 1);
+  CHECK(t.find(0x1fff, 2, 0) == nullptr);
+  CHECK(t.find(0xfff, 2, 0) == nullptr);
+  CHECK(t.find(0x2000, 1, 0) == nullptr);
+  CHECK(t.find(0x1000, 0, 0) == nullptr);                  // empty range never matches
+  CHECK(t.find(~0ull - 1, 4, 0) == nullptr);               // wrapping range never matches
+  // Access bits: region 2 is read-only.
+  CHECK(t.find(0x4000, 0x100, wire::kRemoteRead) && t.find(0x4000, 0x100, wire::kRemoteRead)->key == 22);
+  CHECK(t.find(0x4000, 0x100, wire::kRemoteWrite) == nullptr);
+  // Overlapping regions: a big one starting earlier still covers a range past a small later one.
+  t.insert({0x0, 0x100000, 33, kRW, 3});
+  CHECK(t.find(0x3000, 0x1000, 0) && t.find(0x3000, 0x1000, 0)->key == 33);
+  CHECK(t.find(0x4000, 0x100, wire::kRemoteWrite) && t.find(0x4000, 0x100, wire::kRemoteWrite)->key == 33);
+  CHECK(t.erase(3));
+  CHECK(!t.erase(3));
+  CHECK(t.find(0x3000, 0x1000, 0) == nullptr);  // max_len recomputed after erase
+  CHECK_EQ(t.size(), size_t(2));
+  // assign() sorts; lookups against a brute-force oracle on random tables.
+  std::mt19937_64 rng(7);
+  for (int round = 0; round < 200; ++round) {
+    std::vector<RegionEntry> v;
+    int n = int(rng() % 20);
+    for (int i = 0; i < n; ++i)
+      v.push_back({rng() % 100000, 1 + rng() % 5000, uint32_t(i), uint32_t(rng() % 4), uint64_t(i)});
+    t.assign(v);
+    for (int q = 0; q < 200; ++q) {
+      uint64_t a = rng() % 110000, len = rng() % 3000;
+      uint32_t need = uint32_t(rng() % 4);
+      bool oracle = false;
+      for (auto& e : v)
+        if (len && a >= e.addr && a + len <= e.addr + e.len && (e.access & need) == need) oracle = true;
+      const RegionEntry* got = t.find(a, len, need);
+      CHECK_EQ(got != nullptr, oracle);
+      if (got) CHECK(a >= got->addr && a + len <= got->addr + got->len && (got->access & need) == need);
+    }
+  }
+}
+
+wire::Hello hello_with(size_t regions) {
+  wire::Hello h;
+  h.qpn = 0x1234;
+  h.psn = 77;
+  h.mtu = 1024;
+  h.gid[15] = 1;
+  for (size_t i = 0; i < regions; ++i) h.regions.push_back({0x1000 * (i + 1), 4096, uint32_t(i + 5), kRW});
+  return h;
+}
+
+std::vector<wire::Control> samples() {
+  std::vector<wire::Control> v;
+  wire::Control c;
+  c.type = wire::FrameType::kConnect; c.transport = wire::Transport::kRdma; c.name = "10.0.0.1:26000";
+  c.hello = hello_with(3); v.push_back(c);
+  c = {}; c.type = wire::FrameType::kAccept; c.transport = wire::Transport::kNone; c.name = "[::1]:5"; v.push_back(c);
+  c = {}; c.type = wire::FrameType::kRefuse; c.status = 103903; c.text = "already connected"; v.push_back(c);
+  c = {}; c.type = wire::FrameType::kNotify; c.seq = 9; c.name = "layer"; c.text = std::string(1024, 'x'); v.push_back(c);
+  c = {}; c.type = wire::FrameType::kNotifyAck; c.seq = 9; c.status = 203900; v.push_back(c);
+  c = {}; c.type = wire::FrameType::kRegions; c.seq = 0; c.regions = hello_with(4).regions; v.push_back(c);
+  c = {}; c.type = wire::FrameType::kRegionsReq; c.seq = 3; v.push_back(c);
+  c = {}; c.type = wire::FrameType::kAbort; c.seq = 4; c.text = "timeout"; v.push_back(c);
+  c = {}; c.type = wire::FrameType::kAbortAck; c.seq = 4; v.push_back(c);
+  c = {}; c.type = wire::FrameType::kBye; c.text = "bye"; v.push_back(c);
+  return v;
+}
+
+void control_frames() {
+  for (const auto& c : samples()) {
+    auto f = wire::encode_control(c);
+    wire::Control d = wire::parse_control_frame(f.data(), f.size());
+    CHECK(d.type == c.type);
+    CHECK_EQ(d.seq, c.seq);
+    CHECK_EQ(d.status, c.status);
+    CHECK(d.transport == c.transport);
+    CHECK_EQ(d.name, c.name);
+    CHECK_EQ(d.text, c.text);
+    CHECK_EQ(d.hello.has_value(), c.hello.has_value());
+    if (c.hello) CHECK(d.hello->regions == c.hello->regions && d.hello->qpn == c.hello->qpn);
+    CHECK(d.regions == c.regions);
+    // Every truncation of the payload is refused with an error, never a crash or a short read.
+    const size_t payload = f.size() - wire::kHeaderSize;
+    for (size_t cut = 0; cut < payload; ++cut) {
+      bool threw = false;
+      try {
+        wire::parse_control(c.type, f.data() + wire::kHeaderSize, cut);
+      } catch (const Error&) {
+        threw = true;
+      }
+      CHECK(threw);
+    }
+    // Trailing bytes are refused too.
+    std::vector<uint8_t> longer(f.begin() + wire::kHeaderSize, f.end());
+    longer.push_back(0);
+    CHECK_THROWS_WITH(wire::parse_control(c.type, longer.data(), longer.size()), "trailing");
+  }
+  // A string length larger than the limit is refused before anything is allocated.
+  {
+    wire::Control c;
+    c.type = wire::FrameType::kBye;
+    auto f = wire::encode_control(c);
+    f[wire::kHeaderSize + 3] = 0x7f;  // reason length ~2 GiB
+    CHECK_THROWS_WITH(wire::parse_control(c.type, f.data() + wire::kHeaderSize, f.size() - wire::kHeaderSize),
+                      "exceeds the");
+  }
+  {
+    wire::Control c;
+    c.type = wire::FrameType::kNotify;
+    c.name = std::string(wire::kMaxName + 1, 'n');
+    CHECK_THROWS_WITH(wire::encode_control(c), "too long");
+  }
+  // Unknown transport, non-control types.
+  {
+    auto f = wire::encode_control(samples()[0]);
+    f[wire::kHeaderSize] = 9;
+    CHECK_THROWS_WITH(wire::parse_control_frame(f.data(), f.size()), "unknown transport 9");
+    wire::Control h;
+    h.type = wire::FrameType::kHello;
+    CHECK_THROWS_WITH(wire::encode_control(h), "not a control frame");
+    CHECK_THROWS_WITH(wire::parse_control(wire::FrameType::kReady, nullptr, 0), "unexpected frame type");
+  }
+  // Bounded mutation fuzz: parses or throws hixl::Error, nothing else.
+  std::mt19937 rng(99);
+  auto all = samples();
+  for (int i = 0; i < 20000; ++i) {
+    auto f = wire::encode_control(all[rng() % all.size()]);
+    int flips = 1 + int(rng() % 6);
+    for (int k = 0; k < flips; ++k) f[rng() % f.size()] = uint8_t(rng());
+    f.resize(rng() % (f.size() + 8), uint8_t(rng()));
+    try {
+      wire::parse_control_frame(f.data(), f.size());
+    } catch (const Error&) {
+    }
+  }
+}
+
+}  // namespace
+
+int main() {
+  region_table();
+  control_frames();
+  return report("test_engine_units");
+}

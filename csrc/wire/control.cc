@@ -1,0 +1,121 @@
+#include "wire/control.h"
+
+#include "verbs/error.h"
+#include "wire/codec.h"
+
+namespace hixl::wire {
+
+using detail::Reader;
+using detail::Writer;
+
+namespace {
+
+void put_str(Writer& w, const std::string& s) {
+  w.u32(uint32_t(s.size()));
+  w.bytes(reinterpret_cast<const uint8_t*>(s.data()), s.size());
+}
+
+std::string get_str(Reader& r, size_t max, const char* field) {
+  uint32_t n = r.u32(field);
+  if (n > max)
+    throw Error(std::string("wire: control: ") + field + " of " + std::to_string(n) + " bytes exceeds the " +
+                std::to_string(max) + "-byte limit");
+  r.need(n, field);
+  std::string s(n, '\0');
+  r.bytes(reinterpret_cast<uint8_t*>(s.data()), n, field);
+  return s;
+}
+
+bool is_control(FrameType t) { return uint16_t(t) >= uint16_t(FrameType::kConnect) && t <= kLastFrameType; }
+
+}  // namespace
+
+const char* transport_name(Transport t) {
+  switch (t) {
+    case Transport::kNone: return "none";
+    case Transport::kRdma: return "rdma";
+  }
+  return "unknown";
+}
+
+std::vector<uint8_t> encode_control(const Control& c) {
+  if (!is_control(c.type)) throw Error("wire: encode_control: frame type " + std::to_string(int(c.type)) +
+                                       " is not a control frame");
+  if (c.name.size() > kMaxName || c.text.size() > kMaxText)
+    throw Error("wire: encode_control: name (" + std::to_string(c.name.size()) + " bytes) or text (" +
+                std::to_string(c.text.size()) + " bytes) too long");
+  Writer w;
+  switch (c.type) {
+    case FrameType::kConnect:
+    case FrameType::kAccept: {
+      w.u32(uint32_t(c.transport));
+      put_str(w, c.name);
+      std::vector<uint8_t> hello;
+      if (c.hello) hello = encode_hello_payload(*c.hello);
+      w.u32(uint32_t(hello.size()));
+      w.bytes(hello.data(), hello.size());
+      break;
+    }
+    case FrameType::kRefuse: w.u32(c.status); put_str(w, c.text); break;
+    case FrameType::kNotify: w.u64(c.seq); put_str(w, c.name); put_str(w, c.text); break;
+    case FrameType::kNotifyAck: w.u64(c.seq); w.u32(c.status); break;
+    case FrameType::kRegions: w.u64(c.seq); detail::write_regions(w, c.regions); break;
+    case FrameType::kRegionsReq:
+    case FrameType::kAbortAck: w.u64(c.seq); break;
+    case FrameType::kAbort: w.u64(c.seq); put_str(w, c.text); break;
+    case FrameType::kBye: put_str(w, c.text); break;
+    default: break;
+  }
+  return encode_frame(c.type, w.buf());
+}
+
+Control parse_control(FrameType type, const uint8_t* payload, size_t len) {
+  if (!is_control(type)) throw Error("wire: control: unexpected frame type " + std::to_string(int(type)));
+  Reader r(payload, len, "control frame");
+  Control c;
+  c.type = type;
+  switch (type) {
+    case FrameType::kConnect:
+    case FrameType::kAccept: {
+      uint32_t t = r.u32("transport");
+      if (t > uint32_t(Transport::kRdma)) throw Error("wire: control: unknown transport " + std::to_string(t));
+      c.transport = Transport(t);
+      c.name = get_str(r, kMaxName, "name");
+      uint32_t n = r.u32("hello_len");
+      r.need(n, "hello");
+      if (n) {
+        std::vector<uint8_t> h(n);
+        r.bytes(h.data(), n, "hello");
+        c.hello = parse_hello(h.data(), n);
+      }
+      break;
+    }
+    case FrameType::kRefuse: c.status = r.u32("status"); c.text = get_str(r, kMaxText, "reason"); break;
+    case FrameType::kNotify:
+      c.seq = r.u64("seq");
+      c.name = get_str(r, kMaxName, "notify name");
+      c.text = get_str(r, kMaxText, "notify message");
+      break;
+    case FrameType::kNotifyAck: c.seq = r.u64("seq"); c.status = r.u32("status"); break;
+    case FrameType::kRegions: c.seq = r.u64("seq"); c.regions = detail::read_regions(r, "regions"); break;
+    case FrameType::kRegionsReq:
+    case FrameType::kAbortAck: c.seq = r.u64("seq"); break;
+    case FrameType::kAbort: c.seq = r.u64("seq"); c.text = get_str(r, kMaxText, "reason"); break;
+    case FrameType::kBye: c.text = get_str(r, kMaxText, "reason"); break;
+    default: break;
+  }
+  if (r.remaining() != 0)
+    throw Error("wire: control: " + std::to_string(r.remaining()) + " trailing bytes in frame type " +
+                std::to_string(int(type)));
+  return c;
+}
+
+Control parse_control_frame(const uint8_t* data, size_t len) {
+  Header h = parse_header(data, len);
+  if (len - kHeaderSize != h.payload_len)
+    throw Error("wire: frame is " + std::to_string(len) + " bytes but its header announces " +
+                std::to_string(kHeaderSize + h.payload_len));
+  return parse_control(h.type, data + kHeaderSize, h.payload_len);
+}
+
+}  // namespace hixl::wire
