@@ -22,6 +22,7 @@ using std::chrono::milliseconds;
 using release = py::call_guard<py::gil_scoped_release>;
 
 void hixl_bind_perf(py::module_& m);
+void hixl_bind_engine(py::module_& m);
 
 namespace {
 
@@ -282,6 +283,7 @@ PYBIND11_MODULE(_core, m) {
   m.attr("ACCESS_REMOTE_READ") = int(IBV_ACCESS_REMOTE_READ);
 
   hixl_bind_perf(m);
+  hixl_bind_engine(m);
 #ifdef HIXL_HAVE_ACL_BINDINGS
   py::module_ acl = m.def_submodule("acl", "aclrtMalloc-style device memory shim");
   hixl_bind_acl(acl);

@@ -394,7 +394,7 @@ uint64_t Endpoint::submit(Op op, const std::vector<Desc>& descs, uint32_t imm, m
     if (d.local_addr + d.length < d.local_addr || d.remote_addr + d.length < d.remote_addr)
       throw Error(CallDesc("submit").arg("op", op_name(op)).arg("desc", i).hex("local_addr", d.local_addr)
                       .hex("remote_addr", d.remote_addr).arg("len", d.length).str() + ": range wraps the address space");
-    lkeys[i] = d.length ? lkey_for(d.local_addr, d.length, op == Op::kRead) : 0;
+    lkeys[i] = !d.length ? 0 : d.has_lkey ? d.lkey : lkey_for(d.local_addr, d.length, op == Op::kRead);
     total += (d.length + opts_.slice_bytes - 1) / opts_.slice_bytes;
   }
   const bool pure_flag = op == Op::kWriteImm && total == 0;  // zero-length write-with-imm

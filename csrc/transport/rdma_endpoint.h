@@ -49,6 +49,8 @@ struct Desc {
   uint64_t remote_addr = 0;
   uint64_t length = 0;
   uint32_t rkey = 0;
+  uint32_t lkey = 0;       // used when has_lkey: the caller registered the memory (e.g. the engine)
+  bool has_lkey = false;   // else the lkey is looked up among this endpoint's own registrations
 };
 
 struct LocalInfo {

@@ -1,0 +1,120 @@
+// hixl._core.Engine: the C++ engine behind hixl.Hixl. Every method releases the GIL (all of them
+// can block: registration pins memory, connects and transfers wait on the network) and returns
+// status codes; argument checking that needs Python types lives in python/hixl/engine.py.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "engine/engine.h"
+
+namespace py = pybind11;
+using namespace hixl::engine;
+using release = py::call_guard<py::gil_scoped_release>;
+
+void hixl_bind_engine(py::module_& m) {
+  py::class_<Engine>(m, "Engine")
+      .def(py::init<>())
+      .def(
+          "initialize",
+          [](Engine& e, const std::string& local, const std::string& transport, const std::string& device,
+             int gid_index, int traffic_class, int service_level, bool auto_connect) {
+            Options o;
+            o.transport = transport;
+            o.device = device;
+            o.gid_index = gid_index;
+            o.traffic_class = traffic_class;
+            o.service_level = service_level;
+            o.auto_connect = auto_connect;
+            return e.initialize(local, o);
+          },
+          py::arg("local_engine"), py::arg("transport") = "auto", py::arg("device") = "", py::arg("gid_index") = -1,
+          py::arg("traffic_class") = -1, py::arg("service_level") = -1, py::arg("auto_connect") = false, release())
+      .def("finalize", &Engine::finalize, release())
+      .def(
+          "register_mem",
+          [](Engine& e, uint64_t addr, uint64_t len, int type) { return e.register_mem(addr, len, MemType(type)); },
+          py::arg("addr"), py::arg("len"), py::arg("mem_type"), release())
+      .def("deregister_mem", &Engine::deregister_mem, py::arg("handle"), release())
+      .def("connect", &Engine::connect, py::arg("remote"), py::arg("timeout_ms"), release())
+      .def("disconnect", &Engine::disconnect, py::arg("remote"), py::arg("timeout_ms"), release())
+      .def("connect_async", &Engine::connect_async, py::arg("remote"), py::arg("timeout_ms"), release())
+      .def("disconnect_async", &Engine::disconnect_async, py::arg("remote"), py::arg("timeout_ms"), release())
+      .def("async_connect_status", &Engine::async_connect_status, py::arg("remote"), release())
+      .def("all_async_connect_status", &Engine::all_async_connect_status, release())
+      .def(
+          "transfer_sync",
+          [](Engine& e, const std::string& remote, int op, const std::vector<std::tuple<uint64_t, uint64_t, uint64_t>>& d,
+             int timeout_ms) {
+            std::vector<OpDesc> descs(d.size());
+            for (size_t i = 0; i < d.size(); ++i) descs[i] = {std::get<0>(d[i]), std::get<1>(d[i]), std::get<2>(d[i])};
+            return e.transfer_sync(remote, TransferOp(op), descs, timeout_ms);
+          },
+          py::arg("remote"), py::arg("op"), py::arg("descs"), py::arg("timeout_ms"), release())
+      .def(
+          "transfer_async",
+          [](Engine& e, const std::string& remote, int op, const std::vector<std::tuple<uint64_t, uint64_t, uint64_t>>& d,
+             uint64_t user_data) {
+            std::vector<OpDesc> descs(d.size());
+            for (size_t i = 0; i < d.size(); ++i) descs[i] = {std::get<0>(d[i]), std::get<1>(d[i]), std::get<2>(d[i])};
+            return e.transfer_async(remote, TransferOp(op), descs, user_data);
+          },
+          py::arg("remote"), py::arg("op"), py::arg("descs"), py::arg("user_data"), release())
+      .def("transfer_status", &Engine::transfer_status, py::arg("req"), release())
+      .def(
+          "all_transfer_status",
+          [](Engine& e, uint64_t max_count, bool skip_waiting) {
+            auto [rc, results] = e.all_transfer_status(max_count, skip_waiting);
+            std::vector<std::tuple<uint64_t, uint64_t, int>> out;
+            out.reserve(results.size());
+            for (auto& r : results) out.emplace_back(r.req, r.user_data, r.status);
+            return std::make_pair(rc, out);
+          },
+          py::arg("max_count"), py::arg("skip_waiting"), release())
+      .def("send_notify", &Engine::send_notify, py::arg("remote"), py::arg("name"), py::arg("msg"),
+           py::arg("timeout_ms"), release())
+      .def(
+          "get_notifies",
+          [](Engine& e) {
+            std::pair<int, std::vector<Notify>> r;
+            {
+              py::gil_scoped_release nogil;
+              r = e.get_notifies();
+            }
+            // Names and messages arrive as bytes from the peer: decode with replacement so one bad
+            // sender cannot make get_notifies raise.
+            py::list out;
+            for (auto& n : r.second) {
+              py::str name = py::reinterpret_steal<py::str>(PyUnicode_DecodeUTF8(n.name.data(), Py_ssize_t(n.name.size()), "replace"));
+              py::str msg = py::reinterpret_steal<py::str>(PyUnicode_DecodeUTF8(n.msg.data(), Py_ssize_t(n.msg.size()), "replace"));
+              out.append(py::make_tuple(name, msg));
+            }
+            return py::make_tuple(r.first, out);
+          })
+      .def(
+          "link_info",
+          [](Engine& e, const std::string& remote) {
+            std::pair<int, LinkInfo> r;
+            {
+              py::gil_scoped_release nogil;
+              r = e.link_info(remote);
+            }
+            py::dict d;
+            if (r.first == kSuccess) {
+              const LinkInfo& li = r.second;
+              d["remote"] = li.remote;
+              d["transport"] = li.transport;
+              d["initiator"] = li.initiator;
+              d["device"] = li.device;
+              d["gid_index"] = li.gid_index;
+              d["path_mtu"] = li.path_mtu;
+              d["qpn"] = li.qpn;
+              d["remote_qpn"] = li.remote_qpn;
+              d["remote_regions"] = li.remote_regions;
+            }
+            return py::make_tuple(r.first, d);
+          },
+          py::arg("remote"))
+      .def("peers", &Engine::peers, release())
+      .def_property_readonly("local_engine", &Engine::local_engine)
+      .def_property_readonly("data_transport", &Engine::data_transport)
+      .def("last_error", &Engine::last_error);
+}

@@ -1,0 +1,1158 @@
+#include "engine/engine.h"
+
+#include <arpa/inet.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <optional>
+
+#include "verbs/error.h"
+#include "verbs/log.h"
+
+namespace hixl::engine {
+
+using Clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+
+namespace {
+
+thread_local std::string t_last_error;
+
+// Records why a call returns `code` (Engine::last_error) and logs it: refusals of bad input at info
+// level (the caller gets the code), everything else at warn.
+int fail(int code, const std::string& why) {
+  t_last_error = std::string(code_name(code)) + ": " + why;
+  if (code == kParamInvalid || code == kNotConnected || code == kAlreadyConnected)
+    log::info(t_last_error);
+  else
+    log::warn(t_last_error);
+  return code;
+}
+
+int ok() {
+  t_last_error.clear();
+  return kSuccess;
+}
+
+bool known_code(uint32_t c) {
+  switch (c) {
+    case kSuccess: case kParamInvalid: case kTimeout: case kNotConnected: case kAlreadyConnected:
+    case kNotifyFailed: case kUnsupported: case kResourceExhausted: case kFailed: return true;
+    default: return false;
+  }
+}
+
+// "ip:port" / "[v6]:port" / "ip" in canonical form; nullopt when it is not an IP address.
+std::optional<std::string> canonical(const std::string& s, int* port_out = nullptr) {
+  std::pair<std::string, int> hp;
+  try {
+    hp = oob::split_host_port(s);
+  } catch (const Error&) {
+    return std::nullopt;
+  }
+  auto [host, port] = hp;
+  char buf[INET6_ADDRSTRLEN] = {};
+  in_addr a4{};
+  in6_addr a6{};
+  std::string h;
+  bool v6 = false;
+  if (s[0] != '[' && inet_pton(AF_INET, host.c_str(), &a4) == 1) {
+    inet_ntop(AF_INET, &a4, buf, sizeof buf);
+    h = buf;
+  } else if (inet_pton(AF_INET6, host.c_str(), &a6) == 1 && (s[0] == '[' || port < 0)) {
+    inet_ntop(AF_INET6, &a6, buf, sizeof buf);
+    h = buf;
+    v6 = true;
+  } else {
+    return std::nullopt;
+  }
+  if (port_out) *port_out = port;
+  if (port < 0) return h;
+  return (v6 ? "[" + h + "]" : h) + ":" + std::to_string(port);
+}
+
+std::vector<RegionEntry> to_entries(const std::vector<wire::Region>& regions) {
+  std::vector<RegionEntry> out;
+  out.reserve(regions.size());
+  for (size_t i = 0; i < regions.size(); ++i)
+    out.push_back({regions[i].addr, regions[i].len, regions[i].rkey, regions[i].access, i});
+  return out;
+}
+
+milliseconds left_until(Clock::time_point deadline) {
+  auto ms = std::chrono::duration_cast<milliseconds>(deadline - Clock::now());
+  return std::max(ms, milliseconds(0));
+}
+
+}  // namespace
+
+const char* code_name(int code) {
+  switch (code) {
+    case kSuccess: return "SUCCESS";
+    case kParamInvalid: return "PARAM_INVALID";
+    case kTimeout: return "TIMEOUT";
+    case kNotConnected: return "NOT_CONNECTED";
+    case kAlreadyConnected: return "ALREADY_CONNECTED";
+    case kNotifyFailed: return "NOTIFY_FAILED";
+    case kUnsupported: return "UNSUPPORTED";
+    case kResourceExhausted: return "RESOURCE_EXHAUSTED";
+    case kFailed: return "FAILED";
+  }
+  return "UNKNOWN";
+}
+
+// ------------------------------------------------------------------------------------------ Link
+struct Engine::Link {
+  uint64_t id = 0;
+  std::string key;
+  bool initiator = false;
+  wire::Transport transport = wire::Transport::kNone;
+  std::shared_ptr<rdma::Endpoint> ep;
+  oob::Socket ctrl;
+
+  std::mutex send_mu;  // one frame at a time on ctrl (the progress thread is its only reader)
+
+  std::mutex mu;  // below
+  std::condition_variable cv;
+  RegionTable remote;
+  std::map<uint64_t, wire::Control> replies;
+  uint64_t next_seq = 1;
+  bool down = false;
+  std::string down_reason;
+
+  void send(const wire::Control& c, Clock::time_point deadline) {
+    auto bytes = wire::encode_control(c);
+    std::lock_guard<std::mutex> g(send_mu);
+    oob::send_all(ctrl, bytes, deadline);
+  }
+  uint64_t new_seq() {
+    std::lock_guard<std::mutex> g(mu);
+    return next_seq++;
+  }
+  void deliver(const wire::Control& c) {
+    std::lock_guard<std::mutex> g(mu);
+    replies[c.seq] = c;
+    cv.notify_all();
+  }
+  // The reply to `seq`; nullopt when the deadline passed or the link went down first.
+  std::optional<wire::Control> wait_reply(uint64_t seq, Clock::time_point deadline, bool* went_down) {
+    std::unique_lock<std::mutex> lk(mu);
+    cv.wait_until(lk, deadline, [&] { return down || replies.count(seq); });
+    auto it = replies.find(seq);
+    if (it == replies.end()) {
+      if (went_down) *went_down = down;
+      return std::nullopt;
+    }
+    wire::Control c = std::move(it->second);
+    replies.erase(it);
+    return c;
+  }
+};
+
+struct Engine::Request {
+  std::shared_ptr<Link> link;
+  uint64_t ep_req = 0;
+  uint64_t user_data = 0;
+};
+
+struct Engine::Worker {
+  std::thread t;
+  std::atomic<bool> done{false};
+};
+
+// ------------------------------------------------------------------------------ lifecycle
+Engine::Engine() = default;
+
+Engine::~Engine() {
+  try {
+    finalize();
+  } catch (const std::exception& e) {
+    log::warn(std::string("Engine teardown: ") + e.what());
+  }
+}
+
+bool Engine::ready() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return state_ == State::kReady;
+}
+
+std::string Engine::last_error() const { return t_last_error; }
+
+int Engine::initialize(const std::string& local_engine, const Options& opts) {
+  try {
+    std::lock_guard<std::mutex> g(mu_);
+    if (state_ == State::kFinalized) return fail(kFailed, "initialize: the engine was finalized");
+    if (state_ == State::kReady) {
+      if (local_engine != name_ && canonical(local_engine).value_or("") != host_)
+        log::info("initialize(" + local_engine + "): already initialized as " + name_ + "; keeping that");
+      return ok();
+    }
+    int port = -1;
+    auto canon = canonical(local_engine, &port);
+    if (!canon) return fail(kParamInvalid, "initialize: local_engine \"" + local_engine +
+                                               "\" is not ip, ip:port or [ipv6]:port");
+    std::string host = oob::split_host_port(local_engine).first;
+    if (opts.transport == "shm" || opts.transport == "tcp")
+      return fail(kUnsupported, "initialize: transport \"" + opts.transport +
+                                    "\" is not in this build yet (same-host and TCP transports come next)");
+    if (opts.transport != "auto" && opts.transport != "rdma")
+      return fail(kParamInvalid, "initialize: unknown transport \"" + opts.transport + "\"");
+    if (opts.traffic_class > 255 || opts.service_level > 15 || opts.gid_index > 255)
+      return fail(kParamInvalid, "initialize: traffic_class 0..255, service_level 0..15, gid_index 0..255");
+
+    std::shared_ptr<verbs::ProtectionDomain> pd;
+    std::string why_none;
+    try {
+      pd = verbs::ProtectionDomain::shared_for(opts.device);
+      auto pi = pd->context()->query_port(1);
+      if (pi.state != IBV_PORT_ACTIVE) {
+        why_none = "device " + pd->context()->name() + " port 1 is not ACTIVE";
+        pd.reset();
+      } else {
+        pd->context()->select_gid_index(1, opts.gid_index);  // validates HixlGidIndex / $HIXL_GID_INDEX now
+      }
+    } catch (const Error& e) {
+      why_none = e.what();
+      pd.reset();
+    }
+    if (!pd && (opts.transport == "rdma" || !opts.device.empty()))
+      return fail(kFailed, "initialize: RDMA transport requested but unusable: " + why_none);
+
+    oob::Socket listener;
+    std::string name = *canon;
+    if (port >= 0) {
+      auto [s, bound] = oob::listen_tcp(host, uint16_t(port));
+      listener = std::move(s);
+      name = *canonical(host.find(':') != std::string::npos ? "[" + host + "]:" + std::to_string(bound)
+                                                            : host + ":" + std::to_string(bound));
+    }
+    int wfd = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (wfd < 0) throw_errno("eventfd", errno);
+
+    opts_ = opts;
+    pd_ = std::move(pd);
+    transport_ = pd_ ? wire::Transport::kRdma : wire::Transport::kNone;
+    listener_ = std::move(listener);
+    listening_ = listener_.valid();
+    name_ = name;
+    host_ = *canonical(host);
+    wake_fd_ = wfd;
+    stop_ = false;
+    progress_ = std::thread([this] { progress_loop(); });
+    state_ = State::kReady;
+    if (pd_)
+      log::info("engine " + name_ + ": transport rdma on " + pd_->context()->name());
+    else
+      log::warn("engine " + name_ + ": no usable RDMA device (" + why_none +
+                "); connect() will report UNSUPPORTED until the same-host/TCP transports are available");
+    return ok();
+  } catch (const std::exception& e) {
+    return fail(kFailed, std::string("initialize(") + local_engine + "): " + e.what());
+  }
+}
+
+void Engine::finalize() {
+  std::map<std::string, std::shared_ptr<Link>> links;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    if (state_ != State::kReady) {
+      state_ = State::kFinalized;
+      return;
+    }
+    state_ = State::kFinalized;
+    links.swap(links_);
+  }
+  stop_ = true;
+  wake();
+  if (progress_.joinable()) progress_.join();
+  listener_.close();
+  for (auto& [key, link] : links) {
+    (void)key;
+    try {
+      wire::Control bye;
+      bye.type = wire::FrameType::kBye;
+      bye.text = "engine finalized";
+      link->send(bye, Clock::now() + milliseconds(200));
+    } catch (const std::exception&) {
+    }
+    remove_link(link, "engine finalized");
+  }
+  std::vector<std::shared_ptr<Worker>> workers;
+  {
+    std::lock_guard<std::mutex> g(workers_mu_);
+    workers.swap(workers_);
+  }
+  for (auto& w : workers)
+    if (w->t.joinable()) w->t.join();
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    reqs_.clear();
+    links_.clear();
+  }
+  {
+    std::lock_guard<std::mutex> g(reg_mu_);  // MRs go after every QP is gone
+    regions_.clear();
+    region_by_range_.clear();
+    local_table_.clear();
+  }
+  pd_.reset();
+  if (wake_fd_ >= 0) ::close(wake_fd_);
+  wake_fd_ = -1;
+}
+
+std::string Engine::local_engine() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return name_;
+}
+
+std::string Engine::data_transport() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return wire::transport_name(transport_);
+}
+
+void Engine::wake() {
+  if (wake_fd_ < 0) return;
+  uint64_t one = 1;
+  ssize_t rc = ::write(wake_fd_, &one, sizeof one);
+  (void)rc;
+}
+
+void Engine::spawn(std::function<void()> fn) {
+  auto w = std::make_shared<Worker>();
+  std::lock_guard<std::mutex> g(workers_mu_);
+  for (auto it = workers_.begin(); it != workers_.end();) {  // reap finished workers
+    if ((*it)->done) {
+      (*it)->t.join();
+      it = workers_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  w->t = std::thread([w, fn = std::move(fn)] {
+    try {
+      fn();
+    } catch (const std::exception& e) {
+      log::warn(std::string("engine worker: ") + e.what());
+    }
+    w->done = true;
+  });
+  workers_.push_back(w);
+}
+
+// ---------------------------------------------------------------------------- registration
+std::vector<wire::Region> Engine::local_regions() const {
+  std::lock_guard<std::mutex> g(reg_mu_);
+  std::vector<wire::Region> out;
+  out.reserve(regions_.size());
+  for (const auto& [h, r] : regions_) {
+    (void)h;
+    out.push_back({r.addr, r.len, r.mr ? r.mr->rkey() : 0, wire::kRemoteRead | wire::kRemoteWrite});
+  }
+  return out;
+}
+
+std::pair<int, uint64_t> Engine::register_mem(uint64_t addr, uint64_t len, MemType type) {
+  try {
+    if (!ready()) return {fail(kFailed, "register_mem: engine is not initialized"), 0};
+    if (addr == 0 || len == 0 || addr + len < addr)
+      return {fail(kParamInvalid, CallDesc("register_mem").hex("addr", addr).arg("len", len).str() +
+                                      ": need a non-null address, length > 0, no wrap-around"), 0};
+    if (type != MemType::kDevice && type != MemType::kHost)
+      return {fail(kParamInvalid, "register_mem: unknown mem type " + std::to_string(int(type))), 0};
+    {
+      std::lock_guard<std::mutex> g(reg_mu_);
+      auto it = region_by_range_.find({addr, len});
+      if (it != region_by_range_.end()) return {ok(), it->second};
+    }
+    std::shared_ptr<verbs::MemoryRegion> mr;
+    if (pd_) {
+      try {
+        mr = std::make_shared<verbs::MemoryRegion>(pd_, reinterpret_cast<void*>(addr), size_t(len),
+                                                   IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE |
+                                                       IBV_ACCESS_REMOTE_READ);
+      } catch (const Error& e) {
+        int code = (e.err() == EFAULT || e.err() == EINVAL) ? kParamInvalid : kFailed;
+        return {fail(code, e.what()), 0};
+      }
+    }
+    uint64_t handle;
+    {
+      std::lock_guard<std::mutex> g(reg_mu_);
+      auto it = region_by_range_.find({addr, len});
+      if (it != region_by_range_.end()) return {ok(), it->second};  // another thread won the race
+      handle = next_handle_++;
+      regions_[handle] = {addr, len, type, mr};
+      region_by_range_[{addr, len}] = handle;
+      local_table_.insert({addr, len, mr ? mr->lkey() : 0, wire::kRemoteRead | wire::kRemoteWrite, handle});
+    }
+    push_regions();
+    return {ok(), handle};
+  } catch (const std::exception& e) {
+    return {fail(kFailed, std::string("register_mem: ") + e.what()), 0};
+  }
+}
+
+int Engine::deregister_mem(uint64_t handle) {
+  try {
+    if (!ready()) return fail(kFailed, "deregister_mem: engine is not initialized");
+    std::shared_ptr<verbs::MemoryRegion> mr;  // released after reg_mu_ (ibv_dereg_mr can be slow)
+    {
+      std::lock_guard<std::mutex> g(reg_mu_);
+      if (handle == 0 || handle >= next_handle_)
+        return fail(kParamInvalid, "deregister_mem(handle=" + std::to_string(handle) + "): never issued");
+      auto it = regions_.find(handle);
+      if (it == regions_.end()) return ok();  // already deregistered: idempotent
+      mr = std::move(it->second.mr);
+      region_by_range_.erase({it->second.addr, it->second.len});
+      local_table_.erase(handle);
+      regions_.erase(it);
+    }
+    push_regions();
+    return ok();
+  } catch (const std::exception& e) {
+    return fail(kFailed, std::string("deregister_mem: ") + e.what());
+  }
+}
+
+void Engine::push_regions() {
+  std::vector<std::shared_ptr<Link>> links;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    for (auto& [k, l] : links_) links.push_back(l);
+  }
+  if (links.empty()) return;
+  wire::Control c;
+  c.type = wire::FrameType::kRegions;
+  c.regions = local_regions();
+  for (auto& l : links) {
+    try {
+      l->send(c, Clock::now() + milliseconds(1000));
+    } catch (const std::exception& e) {
+      log::warn("region update to " + l->key + " failed: " + e.what());
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------ links
+std::shared_ptr<rdma::Endpoint> Engine::make_endpoint() const {
+  if (!pd_) return nullptr;
+  rdma::EndpointOptions o;
+  o.device = pd_->context()->name();
+  o.gid_index = opts_.gid_index;
+  if (opts_.traffic_class >= 0) o.traffic_class = uint8_t(opts_.traffic_class);
+  if (opts_.service_level >= 0) o.service_level = uint8_t(opts_.service_level);
+  return std::make_shared<rdma::Endpoint>(o);
+}
+
+wire::Control Engine::hello_frame(wire::FrameType type, const std::shared_ptr<rdma::Endpoint>& ep) const {
+  wire::Control c;
+  c.type = type;
+  c.transport = transport_;
+  c.name = name_;
+  if (ep) {
+    c.hello = ep->local_info().hello;
+    c.hello->regions = local_regions();
+  }
+  return c;
+}
+
+std::shared_ptr<Engine::Link> Engine::find_link(const std::string& key) {
+  std::lock_guard<std::mutex> g(mu_);
+  auto it = links_.find(key);
+  return it == links_.end() ? nullptr : it->second;
+}
+
+std::shared_ptr<Engine::Link> Engine::add_link(const std::string& key, std::shared_ptr<rdma::Endpoint> ep,
+                                               oob::Socket s, bool initiator, const wire::Control& peer) {
+  auto link = std::make_shared<Link>();
+  link->key = key;
+  link->initiator = initiator;
+  link->transport = transport_;
+  link->ep = std::move(ep);
+  link->ctrl = std::move(s);
+  if (peer.hello) link->remote.assign(to_entries(peer.hello->regions));
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    if (state_ != State::kReady || links_.count(key)) return nullptr;
+    link->id = next_link_id_++;
+    links_[key] = link;
+    auto a = async_.find(key);
+    if (a != async_.end() && a->second == ConnState::kConnectFailed) async_.erase(a);
+  }
+  wake();
+  std::string detail;
+  if (link->ep)
+    detail = " (device " + link->ep->local_info().device + ", gid index " +
+             std::to_string(link->ep->local_info().gid_index) + ", path mtu " + std::to_string(link->ep->path_mtu()) +
+             ", " + std::to_string(peer.hello ? peer.hello->regions.size() : 0) + " remote regions)";
+  log::info("engine " + name_ + ": link to " + key + " uses transport " + wire::transport_name(transport_) + detail +
+            (initiator ? ", we connected" : ", peer connected"));
+  return link;
+}
+
+void Engine::remove_link(const std::shared_ptr<Link>& link, const std::string& why) {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = links_.find(link->key);
+    if (it != links_.end() && it->second == link) links_.erase(it);
+  }
+  {
+    std::lock_guard<std::mutex> g(link->mu);
+    if (link->down) return;
+    link->down = true;
+    link->down_reason = why;
+    link->cv.notify_all();
+  }
+  if (link->ep) link->ep->close();  // QP -> ERR: in-flight requests fail, nothing more is sent
+  link->ctrl.shutdown();
+  {
+    std::lock_guard<std::mutex> g(notify_mu_);
+    unread_.erase(link->id);
+  }
+  wake();
+  log::info("engine " + name_ + ": link to " + link->key + " closed: " + why);
+}
+
+std::pair<int, LinkInfo> Engine::link_info(const std::string& remote) {
+  if (!ready()) return {fail(kFailed, "link_info: engine is not initialized"), {}};
+  auto key = canonical(remote);
+  if (!key) return {fail(kParamInvalid, "link_info: \"" + remote + "\" is not an engine address"), {}};
+  auto link = find_link(*key);
+  if (!link) return {fail(kNotConnected, "link_info: not connected to " + *key), {}};
+  LinkInfo li;
+  li.remote = link->key;
+  li.transport = wire::transport_name(link->transport);
+  li.initiator = link->initiator;
+  if (link->ep) {
+    auto info = link->ep->local_info();
+    li.device = info.device;
+    li.gid_index = info.gid_index;
+    li.path_mtu = link->ep->path_mtu();
+    li.qpn = info.hello.qpn;
+    auto r = link->ep->remote();
+    li.remote_qpn = r ? r->qpn : 0;
+  }
+  {
+    std::lock_guard<std::mutex> g(link->mu);
+    li.remote_regions = link->remote.size();
+  }
+  return {ok(), li};
+}
+
+std::vector<std::string> Engine::peers() {
+  std::lock_guard<std::mutex> g(mu_);
+  std::vector<std::string> out;
+  for (auto& [k, l] : links_) out.push_back(k);
+  return out;
+}
+
+// ------------------------------------------------------------------------------- connecting
+int Engine::connect(const std::string& remote, int timeout_ms) {
+  try {
+    if (!ready()) return fail(kFailed, "connect: engine is not initialized");
+    auto key = canonical(remote);
+    int port = -1;
+    if (key) canonical(remote, &port);
+    if (!key || port < 0) return fail(kParamInvalid, "connect: \"" + remote + "\" is not ip:port or [ipv6]:port");
+    if (timeout_ms <= 0) return fail(kParamInvalid, "connect: timeout_in_millis must be > 0");
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      if (*key == name_) return fail(kParamInvalid, "connect: " + *key + " is this engine itself");
+      if (links_.count(*key)) return fail(kAlreadyConnected, "connect: already connected to " + *key);
+      if (connecting_.count(*key)) return fail(kAlreadyConnected, "connect: a connect to " + *key + " is in progress");
+      connecting_.insert(*key);
+    }
+    int rc;
+    try {
+      rc = connect_impl(*key, timeout_ms);
+    } catch (...) {
+      std::lock_guard<std::mutex> g(mu_);
+      connecting_.erase(*key);
+      throw;
+    }
+    std::lock_guard<std::mutex> g(mu_);
+    connecting_.erase(*key);
+    return rc;
+  } catch (const std::exception& e) {
+    return fail(kFailed, "connect(" + remote + "): " + e.what());
+  }
+}
+
+int Engine::connect_impl(const std::string& key, int timeout_ms) {
+  auto [host, port] = oob::split_host_port(key);
+  auto deadline = Clock::now() + milliseconds(timeout_ms);
+  oob::Socket s;
+  try {
+    s = oob::connect_tcp(host, uint16_t(port), milliseconds(timeout_ms));
+  } catch (const Error& e) {
+    return fail(e.err() == ETIMEDOUT ? kTimeout : kFailed, "connect to " + key + ": " + e.what());
+  }
+  auto ep = make_endpoint();
+  wire::Control peer;
+  try {
+    oob::send_all(s, wire::encode_control(hello_frame(wire::FrameType::kConnect, ep)), deadline);
+    auto [h, payload] = oob::recv_frame(s, deadline);
+    peer = wire::parse_control(h.type, payload.data(), payload.size());
+    if (peer.type == wire::FrameType::kRefuse) {
+      int code = known_code(peer.status) && peer.status != kSuccess ? int(peer.status) : kFailed;
+      return fail(code, "connect to " + key + ": refused by the peer: " + peer.text);
+    }
+    if (peer.type != wire::FrameType::kAccept)
+      throw Error("expected an Accept frame, got type " + std::to_string(int(peer.type)));
+    if (peer.transport != transport_ || (ep && !peer.hello))
+      throw Error(std::string("peer answered with transport ") + wire::transport_name(peer.transport) +
+                  ", we asked for " + wire::transport_name(transport_));
+    if (ep) ep->connect(*peer.hello);
+    oob::send_all(s, wire::encode_ready(), deadline);
+  } catch (const Error& e) {
+    return fail(e.err() == ETIMEDOUT ? kTimeout : kFailed, "connect to " + key + ": handshake: " + e.what());
+  }
+  if (!add_link(key, std::move(ep), std::move(s), true, peer))
+    return fail(kAlreadyConnected, "connect to " + key + ": a link appeared meanwhile (the peer connected to us)");
+  return ok();
+}
+
+void Engine::serve_incoming(oob::Socket s) {
+  auto deadline = Clock::now() + milliseconds(opts_.handshake_timeout_ms);
+  auto refuse = [&](int code, const std::string& why) {
+    log::info("engine " + name_ + ": refusing a peer: " + why);
+    wire::Control r;
+    r.type = wire::FrameType::kRefuse;
+    r.status = uint32_t(code);
+    r.text = why;
+    try {
+      oob::send_all(s, wire::encode_control(r), deadline);
+    } catch (const std::exception&) {
+    }
+  };
+  wire::Control c;
+  try {
+    auto [h, payload] = oob::recv_frame(s, deadline);
+    c = wire::parse_control(h.type, payload.data(), payload.size());
+    if (c.type != wire::FrameType::kConnect) throw Error("expected a Connect frame, got type " + std::to_string(int(h.type)));
+  } catch (const std::exception& e) {
+    return refuse(kFailed, std::string("bad handshake: ") + e.what());
+  }
+  auto key = canonical(c.name);
+  if (!key) return refuse(kParamInvalid, "peer name \"" + c.name + "\" is not an engine address");
+  if (c.transport != transport_ || transport_ == wire::Transport::kNone || !c.hello)
+    return refuse(kUnsupported, std::string("no common transport: peer offers ") + wire::transport_name(c.transport) +
+                                    ", " + name_ + " has " + wire::transport_name(transport_));
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    if (state_ != State::kReady) return refuse(kFailed, name_ + " is finalizing");
+    if (links_.count(*key)) return refuse(kAlreadyConnected, name_ + " is already connected to " + *key);
+    // Both ends connecting to each other at once: the smaller name's outgoing connect wins.
+    if (connecting_.count(*key) && name_ < *key)
+      return refuse(kAlreadyConnected, name_ + " is connecting to " + *key + " itself");
+    connecting_.insert(*key);
+  }
+  try {
+    auto ep = make_endpoint();
+    ep->connect(*c.hello);  // RTR/RTS before we answer: the client may write as soon as it has our reply
+    oob::send_all(s, wire::encode_control(hello_frame(wire::FrameType::kAccept, ep)), deadline);
+    auto [h, payload] = oob::recv_frame(s, deadline);
+    if (h.type != wire::FrameType::kReady) throw Error("expected READY, got frame type " + std::to_string(int(h.type)));
+    if (!add_link(*key, std::move(ep), std::move(s), false, c))
+      log::info("engine " + name_ + ": dropping a duplicate link from " + *key);
+  } catch (const std::exception& e) {
+    log::warn("engine " + name_ + ": handshake with " + *key + " failed: " + e.what());
+  }
+  std::lock_guard<std::mutex> g(mu_);
+  connecting_.erase(*key);
+}
+
+int Engine::disconnect(const std::string& remote, int timeout_ms) {
+  try {
+    if (!ready()) return fail(kFailed, "disconnect: engine is not initialized");
+    auto key = canonical(remote);
+    if (!key) return fail(kParamInvalid, "disconnect: \"" + remote + "\" is not an engine address");
+    return disconnect_impl(*key, timeout_ms, "disconnected by " + name_);
+  } catch (const std::exception& e) {
+    return fail(kFailed, "disconnect(" + remote + "): " + e.what());
+  }
+}
+
+int Engine::disconnect_impl(const std::string& key, int timeout_ms, const std::string& why) {
+  auto link = find_link(key);
+  if (!link) return fail(kNotConnected, "disconnect: not connected to " + key);
+  try {
+    wire::Control bye;
+    bye.type = wire::FrameType::kBye;
+    bye.text = why;
+    link->send(bye, Clock::now() + milliseconds(std::max(1, timeout_ms)));
+  } catch (const std::exception& e) {
+    log::info("disconnect " + key + ": goodbye not delivered: " + e.what());
+  }
+  remove_link(link, why);
+  return ok();
+}
+
+int Engine::connect_async(const std::string& remote, int timeout_ms) {
+  try {
+    if (!ready()) return fail(kFailed, "connect_async: engine is not initialized");
+    auto key = canonical(remote);
+    int port = -1;
+    if (key) canonical(remote, &port);
+    if (!key || port < 0) return fail(kParamInvalid, "connect_async: \"" + remote + "\" is not ip:port");
+    if (timeout_ms <= 0) return fail(kParamInvalid, "connect_async: timeout_in_millis must be > 0");
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      if (*key == name_) return fail(kParamInvalid, "connect_async: " + *key + " is this engine itself");
+      if (links_.count(*key)) return fail(kAlreadyConnected, "connect_async: already connected to " + *key);
+      auto a = async_.find(*key);
+      if (a != async_.end() && a->second != ConnState::kConnectFailed)
+        return fail(kAlreadyConnected, "connect_async: an operation on " + *key + " is in progress");
+      async_[*key] = ConnState::kConnectPending;
+    }
+    std::string k = *key;
+    spawn([this, k, timeout_ms] {
+      {
+        std::lock_guard<std::mutex> g(mu_);
+        async_[k] = ConnState::kConnecting;
+      }
+      int rc = connect(k, timeout_ms);
+      std::lock_guard<std::mutex> g(mu_);
+      if (rc == kSuccess || (rc == kAlreadyConnected && links_.count(k)))
+        async_.erase(k);  // CONNECTED from now on comes from the link itself
+      else
+        async_[k] = ConnState::kConnectFailed;
+    });
+    return ok();
+  } catch (const std::exception& e) {
+    return fail(kFailed, "connect_async(" + remote + "): " + e.what());
+  }
+}
+
+int Engine::disconnect_async(const std::string& remote, int timeout_ms) {
+  try {
+    if (!ready()) return fail(kFailed, "disconnect_async: engine is not initialized");
+    auto key = canonical(remote);
+    if (!key) return fail(kParamInvalid, "disconnect_async: \"" + remote + "\" is not an engine address");
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      if (!links_.count(*key)) return fail(kNotConnected, "disconnect_async: not connected to " + *key);
+      auto a = async_.find(*key);
+      if (a != async_.end() && a->second != ConnState::kConnectFailed)
+        return fail(kAlreadyConnected, "disconnect_async: an operation on " + *key + " is in progress");
+      async_[*key] = ConnState::kDisconnectPending;
+    }
+    std::string k = *key;
+    spawn([this, k, timeout_ms] {
+      {
+        std::lock_guard<std::mutex> g(mu_);
+        async_[k] = ConnState::kDisconnecting;
+      }
+      disconnect_impl(k, timeout_ms, "disconnected by " + name_);
+      std::lock_guard<std::mutex> g(mu_);
+      async_.erase(k);
+    });
+    return ok();
+  } catch (const std::exception& e) {
+    return fail(kFailed, "disconnect_async(" + remote + "): " + e.what());
+  }
+}
+
+std::pair<int, int> Engine::async_connect_status(const std::string& remote) {
+  std::lock_guard<std::mutex> g(mu_);
+  if (state_ != State::kReady) return {fail(kFailed, "get_async_connect_status: engine is not initialized"), 0};
+  auto key = canonical(remote);
+  if (!key) return {fail(kParamInvalid, "get_async_connect_status: \"" + remote + "\" is not an engine address"), 0};
+  auto a = async_.find(*key);
+  if (a != async_.end()) return {ok(), int(a->second)};
+  return {ok(), int(links_.count(*key) ? ConnState::kConnected : ConnState::kNotConnect)};
+}
+
+std::pair<int, std::vector<std::pair<std::string, int>>> Engine::all_async_connect_status() {
+  std::lock_guard<std::mutex> g(mu_);
+  if (state_ != State::kReady) return {fail(kFailed, "get_all_async_connect_status: engine is not initialized"), {}};
+  std::map<std::string, int> all;
+  for (auto& [k, l] : links_) all[k] = int(ConnState::kConnected);
+  for (auto& [k, s] : async_) all[k] = int(s);
+  return {ok(), {all.begin(), all.end()}};
+}
+
+// -------------------------------------------------------------------------------- transfers
+int Engine::ensure_link(const std::string& key, int timeout_ms, std::shared_ptr<Link>* out) {
+  *out = find_link(key);
+  if (*out) return kSuccess;
+  if (!opts_.auto_connect) return fail(kNotConnected, "not connected to " + key + " (AutoConnect is off)");
+  int rc = connect(key, std::max(1, timeout_ms));
+  if (rc != kSuccess && rc != kAlreadyConnected) return rc;
+  *out = find_link(key);
+  return *out ? kSuccess : fail(kNotConnected, "auto-connect to " + key + " did not leave a link");
+}
+
+int Engine::prepare(const std::shared_ptr<Link>& link, TransferOp op, const std::vector<OpDesc>& descs,
+                    Clock::time_point deadline, std::vector<rdma::Desc>* out) {
+  if (descs.empty()) return fail(kParamInvalid, "transfer: empty descriptor list");
+  if (op != TransferOp::kRead && op != TransferOp::kWrite)
+    return fail(kParamInvalid, "transfer: unknown op " + std::to_string(int(op)));
+  if (!link->ep) return fail(kFailed, "transfer: link to " + link->key + " has no data transport");
+  out->resize(descs.size());
+  {
+    std::lock_guard<std::mutex> g(reg_mu_);
+    const RegionEntry* last = nullptr;
+    for (size_t i = 0; i < descs.size(); ++i) {
+      const OpDesc& d = descs[i];
+      if (d.len == 0 || d.local_addr + d.len < d.local_addr || d.remote_addr + d.len < d.remote_addr)
+        return fail(kParamInvalid, CallDesc("transfer").arg("desc", i).hex("local_addr", d.local_addr)
+                                       .hex("remote_addr", d.remote_addr).arg("len", d.len).str() +
+                                       ": empty or wrapping range");
+      bool hit = last && d.len <= last->len && d.local_addr >= last->addr && d.local_addr - last->addr <= last->len - d.len;
+      if (!hit) last = local_table_.find(d.local_addr, d.len, 0);
+      if (!last)
+        return fail(kParamInvalid, CallDesc("transfer").arg("desc", i).hex("local_addr", d.local_addr)
+                                       .arg("len", d.len).str() + ": local range is not inside a registered region");
+      rdma::Desc& r = (*out)[i];
+      r.local_addr = d.local_addr;
+      r.remote_addr = d.remote_addr;
+      r.length = d.len;
+      r.lkey = last->key;
+      r.has_lkey = true;
+    }
+  }
+  const uint32_t need = op == TransferOp::kWrite ? wire::kRemoteWrite : wire::kRemoteRead;
+  auto resolve = [&](size_t* bad) {
+    std::lock_guard<std::mutex> g(link->mu);
+    const RegionEntry* last = nullptr;
+    for (size_t i = 0; i < descs.size(); ++i) {
+      const OpDesc& d = descs[i];
+      bool hit = last && d.len <= last->len && d.remote_addr >= last->addr &&
+                 d.remote_addr - last->addr <= last->len - d.len;
+      if (!hit) last = link->remote.find(d.remote_addr, d.len, need);
+      if (!last) {
+        *bad = i;
+        return false;
+      }
+      (*out)[i].rkey = last->key;
+    }
+    return true;
+  };
+  size_t bad = 0;
+  if (resolve(&bad)) return kSuccess;
+  // Not in our copy of the peer's regions: it may have registered since. Ask once, then decide.
+  uint64_t seq = link->new_seq();
+  wire::Control q;
+  q.type = wire::FrameType::kRegionsReq;
+  q.seq = seq;
+  auto until = std::min(deadline, Clock::now() + milliseconds(1000));
+  try {
+    link->send(q, until);
+    link->wait_reply(seq, until, nullptr);
+  } catch (const std::exception& e) {
+    log::info("region refresh from " + link->key + " failed: " + e.what());
+  }
+  if (resolve(&bad)) return kSuccess;
+  const OpDesc& d = descs[bad];
+  return fail(kParamInvalid, CallDesc("transfer").arg("desc", bad).hex("remote_addr", d.remote_addr).arg("len", d.len)
+                                 .str() + ": remote range is not inside a region " + link->key + " registered for " +
+                                 (op == TransferOp::kWrite ? "remote write" : "remote read"));
+}
+
+void Engine::abort_link(const std::shared_ptr<Link>& link, const std::string& why) {
+  // 1. Our QP to ERR: nothing more leaves this side. 2. The peer moves its QP to ERR too, so packets
+  // still in the network are dropped on arrival, and confirms. Only then does the caller return.
+  if (link->ep) link->ep->close();
+  bool confirmed = false;
+  try {
+    uint64_t seq = link->new_seq();
+    wire::Control a;
+    a.type = wire::FrameType::kAbort;
+    a.seq = seq;
+    a.text = why;
+    auto until = Clock::now() + milliseconds(2000);
+    link->send(a, until);
+    confirmed = link->wait_reply(seq, until, nullptr).has_value();
+  } catch (const std::exception& e) {
+    log::warn("abort of link " + link->key + ": " + e.what());
+  }
+  if (!confirmed)
+    log::warn("engine " + name_ + ": " + link->key + " did not confirm the link abort; its queue pair may accept "
+              "packets still in flight until it notices the link is gone");
+  remove_link(link, why);
+}
+
+int Engine::transfer_sync(const std::string& remote, TransferOp op, const std::vector<OpDesc>& descs,
+                          int timeout_ms) {
+  try {
+    if (!ready()) return fail(kFailed, "transfer_sync: engine is not initialized");
+    if (timeout_ms <= 0) return fail(kParamInvalid, "transfer_sync: timeout_in_millis must be > 0");
+    auto key = canonical(remote);
+    if (!key) return fail(kParamInvalid, "transfer_sync: \"" + remote + "\" is not an engine address");
+    auto deadline = Clock::now() + milliseconds(timeout_ms);
+    std::shared_ptr<Link> link;
+    int rc = ensure_link(*key, timeout_ms, &link);
+    if (rc != kSuccess) return rc;
+    std::vector<rdma::Desc> rd;
+    rc = prepare(link, op, descs, deadline, &rd);
+    if (rc != kSuccess) return rc;
+    rdma::Op rop = op == TransferOp::kWrite ? rdma::Op::kWrite : rdma::Op::kRead;
+    rdma::RequestResult r;
+    try {
+      uint64_t id = link->ep->submit(rop, rd, 0, std::max(left_until(deadline), milliseconds(1)));
+      r = link->ep->wait(id, left_until(deadline));
+    } catch (const Error& e) {
+      remove_link(link, std::string("transfer failed: ") + e.what());
+      return fail(kFailed, "transfer_sync to " + *key + ": " + e.what());
+    }
+    if (r.status == TransferStatus::kCompleted) return ok();
+    if (r.status == TransferStatus::kFailed) {
+      remove_link(link, "transfer failed: " + r.error);
+      return fail(kFailed, "transfer_sync to " + *key + ": " + r.error);
+    }
+    abort_link(link, "transfer_sync timed out after " + std::to_string(timeout_ms) + " ms");
+    return fail(kTimeout, "transfer_sync to " + *key + ": not complete within " + std::to_string(timeout_ms) +
+                              " ms; the link was torn down so none of its writes can land later");
+  } catch (const std::exception& e) {
+    return fail(kFailed, "transfer_sync(" + remote + "): " + e.what());
+  }
+}
+
+std::pair<int, uint64_t> Engine::transfer_async(const std::string& remote, TransferOp op,
+                                                const std::vector<OpDesc>& descs, uint64_t user_data) {
+  try {
+    if (!ready()) return {fail(kFailed, "transfer_async: engine is not initialized"), 0};
+    auto key = canonical(remote);
+    if (!key) return {fail(kParamInvalid, "transfer_async: \"" + remote + "\" is not an engine address"), 0};
+    std::shared_ptr<Link> link;
+    int rc = ensure_link(*key, 1000, &link);
+    if (rc != kSuccess) return {rc, 0};
+    std::vector<rdma::Desc> rd;
+    rc = prepare(link, op, descs, Clock::now() + milliseconds(1000), &rd);
+    if (rc != kSuccess) return {rc, 0};
+    uint64_t ep_req;
+    try {
+      ep_req = link->ep->submit(op == TransferOp::kWrite ? rdma::Op::kWrite : rdma::Op::kRead, rd);
+    } catch (const Error& e) {
+      remove_link(link, std::string("transfer failed: ") + e.what());
+      return {fail(kFailed, "transfer_async to " + *key + ": " + e.what()), 0};
+    }
+    std::lock_guard<std::mutex> g(mu_);
+    uint64_t id = next_req_++;
+    reqs_[id] = {link, ep_req, user_data};
+    return {ok(), id};
+  } catch (const std::exception& e) {
+    return {fail(kFailed, "transfer_async(" + remote + "): " + e.what()), 0};
+  }
+}
+
+std::pair<int, int> Engine::transfer_status(uint64_t req) {
+  try {
+    Request r;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      if (state_ != State::kReady) return {fail(kFailed, "get_transfer_status: engine is not initialized"), 0};
+      auto it = reqs_.find(req);
+      if (it == reqs_.end())
+        return {fail(kParamInvalid, "get_transfer_status(req=" + std::to_string(req) +
+                                        "): unknown request (never issued, or already reported complete/failed)"),
+                int(TransferStatus::kFailed)};
+      r = it->second;
+    }
+    rdma::RequestResult res = r.link->ep->status(r.ep_req);
+    if (res.status != TransferStatus::kWaiting) {
+      std::lock_guard<std::mutex> g(mu_);
+      reqs_.erase(req);
+      if (res.status == TransferStatus::kFailed) log::warn("transfer request " + std::to_string(req) + " failed: " + res.error);
+    }
+    return {ok(), int(res.status)};
+  } catch (const std::exception& e) {
+    return {fail(kFailed, "get_transfer_status: " + std::string(e.what())), int(TransferStatus::kFailed)};
+  }
+}
+
+std::pair<int, std::vector<TransferResult>> Engine::all_transfer_status(uint64_t max_count, bool skip_waiting) {
+  try {
+    std::vector<std::pair<uint64_t, Request>> snap;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      if (state_ != State::kReady) return {fail(kFailed, "get_all_transfer_status: engine is not initialized"), {}};
+      snap.assign(reqs_.begin(), reqs_.end());
+    }
+    std::vector<TransferResult> out;
+    std::vector<uint64_t> done;
+    for (auto& [id, r] : snap) {
+      if (out.size() >= max_count) break;
+      rdma::RequestResult res = r.link->ep->status(r.ep_req);
+      if (res.status != TransferStatus::kWaiting) done.push_back(id);
+      else if (skip_waiting) continue;
+      out.push_back({id, r.user_data, int(res.status)});
+    }
+    std::lock_guard<std::mutex> g(mu_);
+    for (uint64_t id : done) reqs_.erase(id);
+    return {ok(), out};
+  } catch (const std::exception& e) {
+    return {fail(kFailed, "get_all_transfer_status: " + std::string(e.what())), {}};
+  }
+}
+
+// ---------------------------------------------------------------------------------- notifies
+int Engine::send_notify(const std::string& remote, const std::string& name, const std::string& msg, int timeout_ms) {
+  try {
+    if (!ready()) return fail(kFailed, "send_notify: engine is not initialized");
+    if (timeout_ms <= 0) return fail(kParamInvalid, "send_notify: timeout_in_millis must be > 0");
+    if (name.size() > wire::kMaxName || msg.size() > wire::kMaxName)
+      return fail(kParamInvalid, "send_notify: name/message longer than 1024 characters");
+    auto key = canonical(remote);
+    if (!key) return fail(kParamInvalid, "send_notify: \"" + remote + "\" is not an engine address");
+    auto deadline = Clock::now() + milliseconds(timeout_ms);
+    std::shared_ptr<Link> link;
+    int rc = ensure_link(*key, timeout_ms, &link);
+    if (rc != kSuccess) return rc;
+    uint64_t seq = link->new_seq();
+    wire::Control n;
+    n.type = wire::FrameType::kNotify;
+    n.seq = seq;
+    n.name = name;
+    n.text = msg;
+    bool went_down = false;
+    std::optional<wire::Control> ack;
+    try {
+      link->send(n, deadline);
+      ack = link->wait_reply(seq, deadline, &went_down);
+    } catch (const Error& e) {
+      return fail(e.err() == ETIMEDOUT ? kTimeout : kNotifyFailed, "send_notify to " + *key + ": " + e.what());
+    }
+    if (!ack) {
+      if (went_down) return fail(kNotifyFailed, "send_notify to " + *key + ": the link closed before the peer acknowledged");
+      return fail(kTimeout, "send_notify to " + *key + ": no acknowledgement within " + std::to_string(timeout_ms) + " ms");
+    }
+    if (ack->status == kSuccess) return ok();
+    return fail(known_code(ack->status) ? int(ack->status) : kNotifyFailed,
+                "send_notify to " + *key + ": the peer refused the notify" +
+                    (ack->status == kResourceExhausted ? " (4096 unread notifies pending there)" : ""));
+  } catch (const std::exception& e) {
+    return fail(kFailed, "send_notify(" + remote + "): " + e.what());
+  }
+}
+
+std::pair<int, std::vector<Notify>> Engine::get_notifies() {
+  if (!ready()) return {fail(kFailed, "get_notifies: engine is not initialized"), {}};
+  std::lock_guard<std::mutex> g(notify_mu_);
+  std::vector<Notify> out(std::make_move_iterator(inbox_.begin()), std::make_move_iterator(inbox_.end()));
+  inbox_.clear();
+  inbox_link_.clear();
+  unread_.clear();
+  return {ok(), std::move(out)};
+}
+
+// ------------------------------------------------------------------------------ progress thread
+void Engine::handle_frame(const std::shared_ptr<Link>& link, const wire::Control& c) {
+  auto until = Clock::now() + milliseconds(1000);
+  switch (c.type) {
+    case wire::FrameType::kNotify: {
+      wire::Control ack;
+      ack.type = wire::FrameType::kNotifyAck;
+      ack.seq = c.seq;
+      {
+        std::lock_guard<std::mutex> g(notify_mu_);
+        size_t& unread = unread_[link->id];
+        if (unread >= kMaxUnreadNotifies) {
+          ack.status = kResourceExhausted;
+        } else {
+          ++unread;
+          inbox_.push_back({c.name, c.text});
+          inbox_link_.push_back(link->id);
+          ack.status = kSuccess;
+        }
+      }
+      link->send(ack, until);
+      break;
+    }
+    case wire::FrameType::kNotifyAck:
+    case wire::FrameType::kAbortAck: link->deliver(c); break;
+    case wire::FrameType::kRegions:
+      {
+        std::lock_guard<std::mutex> g(link->mu);
+        link->remote.assign(to_entries(c.regions));
+      }
+      if (c.seq) link->deliver(c);
+      break;
+    case wire::FrameType::kRegionsReq: {
+      wire::Control r;
+      r.type = wire::FrameType::kRegions;
+      r.seq = c.seq;
+      r.regions = local_regions();
+      link->send(r, until);
+      break;
+    }
+    case wire::FrameType::kAbort: {
+      if (link->ep) link->ep->close();  // our QP to ERR before we confirm: nothing more lands here
+      wire::Control ack;
+      ack.type = wire::FrameType::kAbortAck;
+      ack.seq = c.seq;
+      try {
+        link->send(ack, until);
+      } catch (const std::exception&) {
+      }
+      remove_link(link, "peer aborted the link: " + c.text);
+      break;
+    }
+    case wire::FrameType::kBye: remove_link(link, "peer disconnected: " + c.text); break;
+    default: throw Error("unexpected control frame type " + std::to_string(int(c.type)));
+  }
+}
+
+void Engine::progress_loop() {
+  std::vector<pollfd> pfds;
+  std::vector<std::shared_ptr<Link>> polled;
+  while (!stop_) {
+    pfds.clear();
+    polled.clear();
+    pfds.push_back({wake_fd_, POLLIN, 0});
+    if (listener_.valid()) pfds.push_back({listener_.fd(), POLLIN, 0});
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      for (auto& [k, l] : links_) {
+        polled.push_back(l);
+        pfds.push_back({l->ctrl.fd(), POLLIN, 0});
+      }
+    }
+    int rc = ::poll(pfds.data(), pfds.size(), 1000);
+    if (stop_) break;
+    if (rc < 0) {
+      if (errno != EINTR) log::warn("engine progress: " + errno_str(errno));
+      continue;
+    }
+    if (pfds[0].revents) {
+      uint64_t v;
+      ssize_t n = ::read(wake_fd_, &v, sizeof v);
+      (void)n;
+    }
+    size_t base = 1;
+    if (listener_.valid()) {
+      base = 2;
+      if (pfds[1].revents & POLLIN) {
+        try {
+          oob::Socket s = oob::accept_tcp(listener_, milliseconds(0));
+          if (s.valid()) {
+            auto sp = std::make_shared<oob::Socket>(std::move(s));
+            spawn([this, sp] { serve_incoming(std::move(*sp)); });
+          }
+        } catch (const std::exception& e) {
+          log::warn("engine " + name_ + ": accept: " + e.what());
+        }
+      }
+    }
+    for (size_t i = 0; i < polled.size(); ++i) {
+      if (!pfds[base + i].revents) continue;
+      auto& link = polled[i];
+      try {
+        auto [h, payload] = oob::recv_frame(link->ctrl, Clock::now() + milliseconds(2000));
+        handle_frame(link, wire::parse_control(h.type, payload.data(), payload.size()));
+      } catch (const std::exception& e) {
+        bool down;
+        {
+          std::lock_guard<std::mutex> g(link->mu);
+          down = link->down;
+        }
+        if (!down) remove_link(link, std::string("control connection lost: ") + e.what());
+      }
+    }
+  }
+}
+
+}  // namespace hixl::engine

@@ -1,0 +1,205 @@
+// hixl engine: the CANN-hixl-compatible transfer engine behind hixl.Hixl.
+//
+// An engine owns: a listener (when its address has a port), one link per peer (a TCP control
+// connection plus a data transport endpoint: an RDMA RC queue pair), the local region registry
+// (registered once, on the device's shared protection domain, usable by every link), a cache of each
+// peer's regions, the transfer requests, and the notify inbox. A progress thread accepts peers
+// and serves the control connections; the data path never involves the receiver's CPU.
+//
+// Every public method returns a hixl status code (or a pair starting with one) and never throws.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "engine/region_table.h"
+#include "transport/oob.h"
+#include "transport/rdma_endpoint.h"
+#include "verbs/device.h"
+#include "verbs/resources.h"
+#include "wire/control.h"
+
+namespace hixl::engine {
+
+// CANN hixl status codes (values fixed by the public API).
+enum Code : int {
+  kSuccess = 0,
+  kParamInvalid = 103900,
+  kTimeout = 103901,
+  kNotConnected = 103902,
+  kAlreadyConnected = 103903,
+  kNotifyFailed = 103904,
+  kUnsupported = 103905,
+  kResourceExhausted = 203900,
+  kFailed = 503900,
+};
+const char* code_name(int code);
+
+// hixl.AsyncConnectStatus values.
+enum class ConnState : int {
+  kNotConnect = 0, kConnectPending = 1, kConnecting = 2, kConnected = 3, kConnectFailed = 4,
+  kDisconnectPending = 5, kDisconnecting = 6,
+};
+
+enum class MemType : int { kDevice = 0, kHost = 1 };
+enum class TransferOp : int { kRead = 0, kWrite = 1 };
+using TransferStatus = rdma::Status;  // WAITING 0, COMPLETED 1, TIMEOUT 2, FAILED 3
+
+constexpr size_t kMaxUnreadNotifies = 4096;  // per link; beyond that the sender gets RESOURCE_EXHAUSTED
+
+struct Options {
+  std::string transport = "auto";  // auto | rdma | shm | tcp
+  std::string device;              // RDMA device ("" -> $HIXL_DEVICE -> first ACTIVE)
+  int gid_index = -1;              // -1 -> $HIXL_GID_INDEX -> RoCEv2 IPv4-mapped
+  int traffic_class = -1;          // GRH traffic class (-1 = default 0)
+  int service_level = -1;          // SL (-1 = default 0)
+  bool auto_connect = false;
+  int handshake_timeout_ms = 5000;  // an accepted peer must finish its handshake within this
+};
+
+struct OpDesc {
+  uint64_t local_addr = 0;
+  uint64_t remote_addr = 0;
+  uint64_t len = 0;
+};
+
+struct TransferResult {
+  uint64_t req = 0;
+  uint64_t user_data = 0;
+  int status = int(TransferStatus::kWaiting);
+};
+
+struct Notify {
+  std::string name;
+  std::string msg;
+};
+
+struct LinkInfo {
+  std::string remote;
+  std::string transport;  // "rdma"
+  bool initiator = false;  // we called connect()
+  std::string device;
+  int gid_index = 0;
+  int path_mtu = 0;
+  uint32_t qpn = 0, remote_qpn = 0;
+  size_t remote_regions = 0;
+};
+
+class Engine {
+ public:
+  Engine();
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  int initialize(const std::string& local_engine, const Options& opts);
+  void finalize();  // idempotent; afterwards every call returns kFailed
+
+  std::pair<int, uint64_t> register_mem(uint64_t addr, uint64_t len, MemType type);
+  int deregister_mem(uint64_t handle);
+
+  int connect(const std::string& remote, int timeout_ms);
+  int disconnect(const std::string& remote, int timeout_ms);
+  int connect_async(const std::string& remote, int timeout_ms);
+  int disconnect_async(const std::string& remote, int timeout_ms);
+  std::pair<int, int> async_connect_status(const std::string& remote);
+  std::pair<int, std::vector<std::pair<std::string, int>>> all_async_connect_status();
+
+  int transfer_sync(const std::string& remote, TransferOp op, const std::vector<OpDesc>& descs, int timeout_ms);
+  std::pair<int, uint64_t> transfer_async(const std::string& remote, TransferOp op, const std::vector<OpDesc>& descs,
+                                          uint64_t user_data);
+  std::pair<int, int> transfer_status(uint64_t req);
+  std::pair<int, std::vector<TransferResult>> all_transfer_status(uint64_t max_count, bool skip_waiting);
+
+  int send_notify(const std::string& remote, const std::string& name, const std::string& msg, int timeout_ms);
+  std::pair<int, std::vector<Notify>> get_notifies();
+
+  // Beyond CANN.
+  std::string local_engine() const;     // canonical "ip:port" (the bound port), or "ip" (client only)
+  std::string data_transport() const;   // "rdma" or "none" (no usable device; issue 4 adds shm/tcp)
+  std::pair<int, LinkInfo> link_info(const std::string& remote);
+  std::vector<std::string> peers();
+  std::string last_error() const;       // the reason behind the last non-SUCCESS status of this thread
+
+ private:
+  struct Link;
+  struct Request;
+  struct Worker;
+  enum class State { kNew, kReady, kFinalized };
+
+  // Implementation of the public calls (may throw; the public wrappers turn that into codes).
+  int connect_impl(const std::string& remote, int timeout_ms);
+  int disconnect_impl(const std::string& key, int timeout_ms, const std::string& why);
+  int ensure_link(const std::string& key, int timeout_ms, std::shared_ptr<Link>* out);
+  int prepare(const std::shared_ptr<Link>& link, TransferOp op, const std::vector<OpDesc>& descs,
+              std::chrono::steady_clock::time_point deadline, std::vector<rdma::Desc>* out);
+  void abort_link(const std::shared_ptr<Link>& link, const std::string& why);
+
+  std::shared_ptr<rdma::Endpoint> make_endpoint() const;
+  wire::Control hello_frame(wire::FrameType type, const std::shared_ptr<rdma::Endpoint>& ep) const;
+  std::vector<wire::Region> local_regions() const;
+  std::shared_ptr<Link> find_link(const std::string& key);
+  std::shared_ptr<Link> add_link(const std::string& key, std::shared_ptr<rdma::Endpoint> ep, oob::Socket s,
+                                 bool initiator, const wire::Control& peer);
+  void remove_link(const std::shared_ptr<Link>& link, const std::string& why);
+  void push_regions();
+
+  void progress_loop();
+  void serve_incoming(oob::Socket s);
+  void handle_frame(const std::shared_ptr<Link>& link, const wire::Control& c);
+  void spawn(std::function<void()> fn);
+  void wake();
+  bool ready() const;
+
+  mutable std::mutex mu_;  // state, links, connecting set, async states, requests
+  State state_ = State::kNew;
+  Options opts_;
+  std::string name_;
+  std::string host_;
+  bool listening_ = false;
+  wire::Transport transport_ = wire::Transport::kNone;
+  std::shared_ptr<verbs::ProtectionDomain> pd_;  // shared with every link's endpoint
+
+  mutable std::mutex reg_mu_;  // local registrations
+  struct LocalRegion {
+    uint64_t addr = 0, len = 0;
+    MemType type = MemType::kHost;
+    std::shared_ptr<verbs::MemoryRegion> mr;  // null without an RDMA device
+  };
+  std::map<uint64_t, LocalRegion> regions_;
+  std::map<std::pair<uint64_t, uint64_t>, uint64_t> region_by_range_;
+  RegionTable local_table_;
+  uint64_t next_handle_ = 1;
+
+  std::map<std::string, std::shared_ptr<Link>> links_;  // by canonical peer name
+  std::set<std::string> connecting_;
+  std::map<std::string, ConnState> async_;              // pending/finished async (dis)connects
+  std::map<uint64_t, Request> reqs_;
+  uint64_t next_req_ = 1;
+  uint64_t next_link_id_ = 1;
+
+  std::mutex notify_mu_;
+  std::deque<Notify> inbox_;
+  std::deque<uint64_t> inbox_link_;             // link id of each inbox entry
+  std::map<uint64_t, size_t> unread_;           // link id -> unread notifies
+
+  oob::Socket listener_;
+  int wake_fd_ = -1;
+  std::atomic<bool> stop_{false};
+  std::thread progress_;
+  std::mutex workers_mu_;
+  std::vector<std::shared_ptr<Worker>> workers_;
+};
+
+}  // namespace hixl::engine

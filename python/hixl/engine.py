@@ -1,0 +1,366 @@
+"""``hixl.Hixl``: a drop-in for the ``Hixl`` engine class of CANN's hixl Python module.
+
+Every method returns an ``int`` status code, or a tuple whose first element is one, and
+never raises: bad input gives ``PARAM_INVALID`` (and the reason in :meth:`Hixl.last_error`
+and the ``hixl`` logger at INFO level).  After :meth:`Hixl.finalize` every call returns
+``FAILED`` with an empty result.  The work happens in the C++ engine (``hixl._core.Engine``),
+which releases the GIL for every call.
+
+Beyond CANN:
+
+* the transport comes from option ``HixlTransport`` or env ``HIXL_TRANSPORT``
+  (``auto``: RDMA when an active device exists; ``shm``/``tcp`` are not in this build yet
+  and give ``UNSUPPORTED``); ``HixlDevice`` / ``HIXL_DEVICE`` and ``HixlGidIndex`` /
+  ``HIXL_GID_INDEX`` pick the RDMA device and GID;
+* :meth:`Hixl.get_transport` and :meth:`Hixl.get_link_info` tell what each link runs on;
+* regions registered after a peer connected become visible to it on its next transfer.
+"""
+from __future__ import annotations
+
+import logging
+import operator
+import threading
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from . import _core
+from .types import (
+    FAILED,
+    PARAM_INVALID,
+    SUCCESS,
+    AsyncConnectStatus,
+    GetTransferStatusArgs,
+    MemType,
+    NotifyDesc,
+    TransferArgs,
+    TransferOp,
+    TransferResult,
+    TransferStatus,
+    parse_engine_address,
+    parse_options,
+    validate_mem_desc,
+    validate_notify,
+    validate_op_desc,
+)
+
+_log = logging.getLogger("hixl")
+
+_INT32_MAX = 2 ** 31 - 1
+_U64_MAX = 2 ** 64 - 1
+_DEFAULT_TIMEOUT_MS = 1000
+
+
+def _int(v: Any, lo: int, hi: int) -> Optional[int]:
+    """``v`` as an int in [lo, hi] (bools refused), else None."""
+    if isinstance(v, bool) or type(v).__name__ in ("bool", "bool_"):
+        return None
+    try:
+        n = operator.index(v)
+    except Exception:
+        return None
+    return n if lo <= n <= hi else None
+
+
+def _enum(v: Any, cls: Any) -> Optional[int]:
+    n = _int(v, 0, 255)
+    return n if n is not None and n in {int(m) for m in cls} else None
+
+
+class Hixl:
+    """A hixl engine: register memory, connect to peers, READ/WRITE their memory, notify them."""
+
+    def __init__(self) -> None:
+        self._engine = _core.Engine()
+        self._finalized = False
+        self._logged_keys: set = set()
+        self._tls = threading.local()  # last_error() is per thread, like the C++ engine's
+
+    # ------------------------------------------------------------------ helpers
+    def _refuse(self, why: str) -> int:
+        self._tls.last_error = "PARAM_INVALID: " + why
+        _log.info("hixl: %s", self._tls.last_error)
+        return PARAM_INVALID
+
+    def _done(self, rc: int) -> int:
+        self._tls.last_error = "" if rc == SUCCESS else self._engine.last_error()
+        return rc
+
+    def _failed(self, where: str, e: BaseException) -> int:
+        self._tls.last_error = "FAILED: %s: %s" % (where, e)
+        _log.warning("hixl: %s", self._tls.last_error)
+        return FAILED
+
+    def _timeout(self, v: Any) -> Optional[int]:
+        return _int(v, 1, _INT32_MAX)
+
+    def _remote(self, remote: Any) -> Optional[str]:
+        rc, _, _ = parse_engine_address(remote)
+        return remote if rc == SUCCESS else None
+
+    def _descs(self, op_descs: Any) -> Optional[List[Tuple[int, int, int]]]:
+        if not isinstance(op_descs, (list, tuple)) or not op_descs:
+            return None
+        out = []
+        for d in op_descs:
+            if validate_op_desc(d) != SUCCESS:
+                return None
+            out.append((operator.index(d.local_addr), operator.index(d.remote_addr), operator.index(d.len)))
+        return out
+
+    def last_error(self) -> str:
+        """Why the last call on this object from this thread did not return SUCCESS ("" if it did)."""
+        return getattr(self._tls, "last_error", "")
+
+    # ---------------------------------------------------------------- lifecycle
+    def initialize(self, local_engine: str, options: Optional[Dict[str, str]] = None) -> int:
+        """``"ip:port"`` listens (port 0 picks a free port), ``"ip"`` is client only.
+
+        Calling it again returns SUCCESS and keeps the first configuration.
+        """
+        try:
+            if self._finalized:
+                return FAILED
+            rc, host, port = parse_engine_address(local_engine)
+            if rc != SUCCESS:
+                return self._refuse("initialize: local_engine %r is not ip, ip:port or [ipv6]:port" % (local_engine,))
+            rc, p = parse_options(options)
+            if rc != SUCCESS:
+                return self._refuse("initialize: " + p.error)
+            for key in p.not_applicable + p.ignored:
+                if key not in self._logged_keys:
+                    self._logged_keys.add(key)
+                    _log.info("hixl: option %s=%r %s", key, p.raw[key],
+                              "has no effect on this implementation" if key in p.not_applicable
+                              else "is unknown and ignored")
+            return self._done(self._engine.initialize(
+                local_engine, transport=p.transport, device=p.device or "",
+                gid_index=-1 if p.gid_index is None else p.gid_index,
+                traffic_class=-1 if p.rdma_traffic_class is None else p.rdma_traffic_class,
+                service_level=-1 if p.rdma_service_level is None else p.rdma_service_level,
+                auto_connect=p.auto_connect))
+        except Exception as e:  # never raise to the caller
+            return self._failed("initialize", e)
+
+    def finalize(self) -> None:
+        """Tears everything down (links, then registrations). Idempotent."""
+        try:
+            self._finalized = True
+            self._engine.finalize()
+        except Exception as e:
+            self._failed("finalize", e)
+
+    def __enter__(self) -> "Hixl":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.finalize()
+
+    # -------------------------------------------------------------- registration
+    def register_mem(self, mem_desc: Any, mem_type: Any = MemType.MEM_HOST) -> Tuple[int, int]:
+        """``(SUCCESS, handle)``; the same addr/len again gives the same handle."""
+        try:
+            if self._finalized:
+                return FAILED, 0
+            if validate_mem_desc(mem_desc) != SUCCESS:
+                return self._refuse("register_mem: %r is not a non-empty u64 range" % (mem_desc,)), 0
+            mt = _enum(mem_type, MemType)
+            if mt is None:
+                return self._refuse("register_mem: mem_type %r is not a MemType" % (mem_type,)), 0
+            rc, handle = self._engine.register_mem(operator.index(mem_desc.addr), operator.index(mem_desc.len), mt)
+            return self._done(rc), handle
+        except Exception as e:
+            return self._failed("register_mem", e), 0
+
+    def deregister_mem(self, mem_handle: Any) -> int:
+        try:
+            if self._finalized:
+                return FAILED
+            h = _int(mem_handle, 0, _U64_MAX)
+            if h is None:
+                return self._refuse("deregister_mem: handle %r is not an int" % (mem_handle,))
+            return self._done(self._engine.deregister_mem(h))
+        except Exception as e:
+            return self._failed("deregister_mem", e)
+
+    # --------------------------------------------------------------- connections
+    def _link_call(self, name: str, remote: Any, timeout: Any, fn: Any) -> int:
+        try:
+            if self._finalized:
+                return FAILED
+            if self._remote(remote) is None:
+                return self._refuse("%s: remote_engine %r is not ip:port or [ipv6]:port" % (name, remote))
+            t = self._timeout(timeout)
+            if t is None:
+                return self._refuse("%s: timeout_in_millis %r must be an int in 1..2**31-1" % (name, timeout))
+            return self._done(fn(remote, t))
+        except Exception as e:
+            return self._failed(name, e)
+
+    def connect(self, remote_engine: str, timeout_in_millis: int = _DEFAULT_TIMEOUT_MS) -> int:
+        """SUCCESS, ALREADY_CONNECTED, or TIMEOUT/FAILED when nobody answers."""
+        return self._link_call("connect", remote_engine, timeout_in_millis, self._engine.connect)
+
+    def disconnect(self, remote_engine: str, timeout_in_millis: int = _DEFAULT_TIMEOUT_MS) -> int:
+        """SUCCESS, or NOT_CONNECTED when there is no link (from either side) to that engine."""
+        return self._link_call("disconnect", remote_engine, timeout_in_millis, self._engine.disconnect)
+
+    def connect_async(self, remote_engine: str, timeout_in_millis: int = _DEFAULT_TIMEOUT_MS) -> int:
+        return self._link_call("connect_async", remote_engine, timeout_in_millis, self._engine.connect_async)
+
+    def disconnect_async(self, remote_engine: str, timeout_in_millis: int = _DEFAULT_TIMEOUT_MS) -> int:
+        return self._link_call("disconnect_async", remote_engine, timeout_in_millis, self._engine.disconnect_async)
+
+    def get_async_connect_status(self, remote_engine: str) -> Tuple[int, AsyncConnectStatus]:
+        try:
+            if self._finalized:
+                return FAILED, AsyncConnectStatus.NOT_CONNECT
+            if self._remote(remote_engine) is None:
+                return self._refuse("get_async_connect_status: bad remote_engine %r" % (remote_engine,)), \
+                    AsyncConnectStatus.NOT_CONNECT
+            rc, st = self._engine.async_connect_status(remote_engine)
+            return self._done(rc), AsyncConnectStatus(st)
+        except Exception as e:
+            return self._failed("get_async_connect_status", e), AsyncConnectStatus.NOT_CONNECT
+
+    def get_all_async_connect_status(self) -> Tuple[int, Dict[str, AsyncConnectStatus]]:
+        try:
+            if self._finalized:
+                return FAILED, {}
+            rc, pairs = self._engine.all_async_connect_status()
+            return self._done(rc), {k: AsyncConnectStatus(v) for k, v in pairs}
+        except Exception as e:
+            return self._failed("get_all_async_connect_status", e), {}
+
+    # ----------------------------------------------------------------- transfers
+    def transfer_sync(self, remote_engine: str, op: Any, op_descs: Sequence[Any],
+                      timeout_in_millis: int = _DEFAULT_TIMEOUT_MS) -> int:
+        """One-sided READ/WRITE of the peer's registered memory; TIMEOUT tears the link down
+        so that no write of this call can land afterwards."""
+        try:
+            if self._finalized:
+                return FAILED
+            if self._remote(remote_engine) is None:
+                return self._refuse("transfer_sync: bad remote_engine %r" % (remote_engine,))
+            o = _enum(op, TransferOp)
+            if o is None:
+                return self._refuse("transfer_sync: op %r is not a TransferOp" % (op,))
+            descs = self._descs(op_descs)
+            if descs is None:
+                return self._refuse("transfer_sync: op_descs must be a non-empty list of TransferOpDesc "
+                                    "with u64 addresses and len > 0")
+            t = self._timeout(timeout_in_millis)
+            if t is None:
+                return self._refuse("transfer_sync: timeout_in_millis %r must be in 1..2**31-1" % (timeout_in_millis,))
+            return self._done(self._engine.transfer_sync(remote_engine, o, descs, t))
+        except Exception as e:
+            return self._failed("transfer_sync", e)
+
+    def transfer_async(self, remote_engine: str, op: Any, op_descs: Sequence[Any],
+                       optional_args: Any = None) -> Tuple[int, int]:
+        """``(SUCCESS, req)``; req is 0 on failure. Poll it with :meth:`get_transfer_status`."""
+        try:
+            if self._finalized:
+                return FAILED, 0
+            if self._remote(remote_engine) is None:
+                return self._refuse("transfer_async: bad remote_engine %r" % (remote_engine,)), 0
+            o = _enum(op, TransferOp)
+            if o is None:
+                return self._refuse("transfer_async: op %r is not a TransferOp" % (op,)), 0
+            descs = self._descs(op_descs)
+            if descs is None:
+                return self._refuse("transfer_async: op_descs must be a non-empty list of TransferOpDesc "
+                                    "with u64 addresses and len > 0"), 0
+            args = TransferArgs() if optional_args is None else optional_args
+            ud = _int(getattr(args, "user_data", None), 0, _U64_MAX)
+            if ud is None:
+                return self._refuse("transfer_async: user_data must be a u64"), 0
+            rc, req = self._engine.transfer_async(remote_engine, o, descs, ud)
+            return self._done(rc), req
+        except Exception as e:
+            return self._failed("transfer_async", e), 0
+
+    def get_transfer_status(self, req: Any) -> Tuple[int, TransferStatus]:
+        """``(SUCCESS, status)``. After COMPLETED/FAILED the request is freed; an unknown
+        request gives ``(PARAM_INVALID, TransferStatus.FAILED)``."""
+        try:
+            if self._finalized:
+                return FAILED, TransferStatus.FAILED
+            r = _int(req, 0, _U64_MAX)
+            if r is None:
+                return self._refuse("get_transfer_status: req %r is not an int" % (req,)), TransferStatus.FAILED
+            rc, st = self._engine.transfer_status(r)
+            return self._done(rc), TransferStatus(st)
+        except Exception as e:
+            return self._failed("get_transfer_status", e), TransferStatus.FAILED
+
+    def get_all_transfer_status(self, args: Any = None) -> Tuple[int, List[TransferResult]]:
+        """Up to ``args.max_query_count`` requests (WAITING ones left out with ``skip_waiting``),
+        oldest first; finished ones are freed."""
+        try:
+            if self._finalized:
+                return FAILED, []
+            a = GetTransferStatusArgs() if args is None else args
+            mx = _int(getattr(a, "max_query_count", None), 0, _U64_MAX)
+            skip = getattr(a, "skip_waiting", None)
+            if mx is None or not isinstance(skip, bool):
+                return self._refuse("get_all_transfer_status: need max_query_count (u64) and skip_waiting (bool)"), []
+            rc, rows = self._engine.all_transfer_status(mx, skip)
+            return self._done(rc), [TransferResult(req=r, user_data=u, status=TransferStatus(s)) for r, u, s in rows]
+        except Exception as e:
+            return self._failed("get_all_transfer_status", e), []
+
+    # ------------------------------------------------------------------ notifies
+    def send_notify(self, remote_engine: str, notify: Any, timeout_in_millis: int = _DEFAULT_TIMEOUT_MS) -> int:
+        """Delivered after every transfer to that peer that completed before this call.
+        RESOURCE_EXHAUSTED when the peer holds 4096 unread notifies from us."""
+        try:
+            if self._finalized:
+                return FAILED
+            if self._remote(remote_engine) is None:
+                return self._refuse("send_notify: bad remote_engine %r" % (remote_engine,))
+            if validate_notify(notify) != SUCCESS:
+                return self._refuse("send_notify: name and notify_msg must be str of at most 1024 characters")
+            t = self._timeout(timeout_in_millis)
+            if t is None:
+                return self._refuse("send_notify: timeout_in_millis %r must be in 1..2**31-1" % (timeout_in_millis,))
+            return self._done(self._engine.send_notify(remote_engine, notify.name, notify.notify_msg, t))
+        except Exception as e:
+            return self._failed("send_notify", e)
+
+    def get_notifies(self) -> Tuple[int, List[NotifyDesc]]:
+        """Every notify received since the last call, in arrival order."""
+        try:
+            if self._finalized:
+                return FAILED, []
+            rc, rows = self._engine.get_notifies()
+            return self._done(rc), [NotifyDesc(name=n, notify_msg=m) for n, m in rows]
+        except Exception as e:
+            return self._failed("get_notifies", e), []
+
+    # ------------------------------------------------------------ beyond CANN
+    @property
+    def local_engine(self) -> str:
+        """This engine's canonical address (with the bound port when it listens)."""
+        try:
+            return "" if self._finalized else self._engine.local_engine
+        except Exception:
+            return ""
+
+    def get_transport(self, remote_engine: str) -> Tuple[int, str]:
+        """``(SUCCESS, "rdma")`` for a connected peer; NOT_CONNECTED otherwise."""
+        rc, info = self.get_link_info(remote_engine)
+        return rc, info.get("transport", "")
+
+    def get_link_info(self, remote_engine: str) -> Tuple[int, Dict[str, Any]]:
+        """Transport, device, GID index, path MTU, queue pair numbers of the link to a peer."""
+        try:
+            if self._finalized:
+                return FAILED, {}
+            if self._remote(remote_engine) is None:
+                return self._refuse("get_link_info: bad remote_engine %r" % (remote_engine,)), {}
+            rc, info = self._engine.link_info(remote_engine)
+            return self._done(rc), dict(info)
+        except Exception as e:
+            return self._failed("get_link_info", e), {}
+
+
+__all__ = ["Hixl"]

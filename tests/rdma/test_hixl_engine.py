@@ -1,0 +1,423 @@
+"""Tier 2 (`rdma`): two hixl.Hixl engines moving real bytes over RDMA (rxe0 inside the CI VM).
+
+Both engines live in this process (their control channels use loopback TCP, their data goes
+through rxe). Every transfer is checked byte for byte, including the bytes around it.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import hixl
+from hixl import (ALREADY_CONNECTED, FAILED, NOT_CONNECTED, PARAM_INVALID, READ, RESOURCE_EXHAUSTED, SUCCESS,
+                  TIMEOUT, WRITE, AsyncConnectStatus, GetTransferStatusArgs, MemDesc, MemType, NotifyDesc,
+                  TransferArgs, TransferOpDesc, TransferStatus)
+
+pytestmark = pytest.mark.rdma
+
+MiB = 1 << 20
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _addr(a: np.ndarray) -> int:
+    return a.ctypes.data
+
+
+def _engine(options=None, listen=True):
+    e = hixl.Hixl()
+    assert e.initialize("127.0.0.1:0" if listen else "127.0.0.1", options) == SUCCESS, e.last_error()
+    return e
+
+
+def _wait_status(e, req, timeout_s=120.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        rc, st = e.get_transfer_status(req)
+        assert rc == SUCCESS, e.last_error()
+        if st != TransferStatus.WAITING:
+            return st
+        assert time.monotonic() < deadline, "request %d still WAITING after %ss" % (req, timeout_s)
+        time.sleep(0.001)
+
+
+def _until(pred, timeout_s=30.0, what="condition"):
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        assert time.monotonic() < deadline, "timed out waiting for " + what
+        time.sleep(0.005)
+
+
+class Pair:
+    """Engine `a` listens and owns buffer `abuf`; engine `b` listens too, owns `bbuf` and connects to `a`."""
+
+    def __init__(self, size=8 * MiB, a_opts=None, b_opts=None):
+        self.a, self.b = _engine(a_opts), _engine(b_opts)
+        rng = np.random.default_rng(20261202)
+        self.abuf = np.zeros(size, np.uint8)
+        self.bbuf = rng.integers(0, 256, size, dtype=np.uint8)
+        rc, self.ha = self.a.register_mem(MemDesc(_addr(self.abuf), size), MemType.MEM_HOST)
+        assert rc == SUCCESS, self.a.last_error()
+        rc, self.hb = self.b.register_mem(MemDesc(_addr(self.bbuf), size), MemType.MEM_HOST)
+        assert rc == SUCCESS, self.b.last_error()
+        assert self.b.connect(self.a.local_engine, 10000) == SUCCESS, self.b.last_error()
+
+    def close(self):
+        self.b.finalize()
+        self.a.finalize()
+
+
+@pytest.fixture
+def pair():
+    p = Pair()
+    yield p
+    p.close()
+
+
+@pytest.mark.parametrize("size", [1, 63, 4097, 65537, MiB + 3, 4 * MiB + 1])
+def test_write_then_read_back_bytes_verified(pair, size):
+    p = pair
+    soff, doff = 5, 11
+    before = p.abuf.copy()
+    d = TransferOpDesc(local_addr=_addr(p.bbuf) + soff, remote_addr=_addr(p.abuf) + doff, len=size)
+    assert p.b.transfer_sync(p.a.local_engine, WRITE, [d], 60000) == SUCCESS, p.b.last_error()
+    np.testing.assert_array_equal(p.abuf[doff:doff + size], p.bbuf[soff:soff + size])
+    np.testing.assert_array_equal(p.abuf[:doff], before[:doff])  # nothing outside the range
+    np.testing.assert_array_equal(p.abuf[doff + size:], before[doff + size:])
+
+    # READ it back into a different place of b's buffer.
+    p.bbuf[-size:] = 0
+    r = TransferOpDesc(local_addr=_addr(p.bbuf) + p.bbuf.size - size, remote_addr=_addr(p.abuf) + doff, len=size)
+    assert p.b.transfer_sync(p.a.local_engine, READ, [r], 60000) == SUCCESS, p.b.last_error()
+    np.testing.assert_array_equal(p.bbuf[-size:], p.abuf[doff:doff + size])
+
+
+def test_either_side_transfers_once_connected(pair):
+    p = pair
+    # a never called connect: it reaches b by b's name over the link b opened.
+    assert p.b.local_engine in p.a._engine.peers()
+    p.bbuf[:4096] = 0
+    p.abuf[:4096] = 0x5A
+    d = TransferOpDesc(_addr(p.abuf), _addr(p.bbuf), 4096)
+    assert p.a.transfer_sync(p.b.local_engine, WRITE, [d], 10000) == SUCCESS, p.a.last_error()
+    assert (p.bbuf[:4096] == 0x5A).all()
+    assert p.a.connect(p.b.local_engine, 1000) == ALREADY_CONNECTED
+    assert p.b.connect(p.a.local_engine, 1000) == ALREADY_CONNECTED
+    assert p.a.get_transport(p.b.local_engine) == (SUCCESS, "rdma")
+    rc, info = p.b.get_link_info(p.a.local_engine)
+    assert rc == SUCCESS and info["transport"] == "rdma" and info["initiator"] and info["path_mtu"] >= 256
+    assert info["remote_regions"] == 1
+
+
+def test_many_descriptors_async_with_user_data(pair):
+    p = pair
+    n, chunk = 4096, 1024  # 4096 descriptors, scattered (reversed order) on the remote side
+    descs = [TransferOpDesc(_addr(p.bbuf) + i * chunk, _addr(p.abuf) + (n - 1 - i) * chunk, chunk) for i in range(n)]
+    rc, req1 = p.b.transfer_async(p.a.local_engine, WRITE, descs[: n // 2], TransferArgs(user_data=111))
+    assert rc == SUCCESS and req1 != 0, p.b.last_error()
+    rc, req2 = p.b.transfer_async(p.a.local_engine, WRITE, descs[n // 2:], TransferArgs(user_data=222))
+    assert rc == SUCCESS and req2 not in (0, req1)
+    seen = {}
+    deadline = time.monotonic() + 120
+    while len(seen) < 2:
+        rc, results = p.b.get_all_transfer_status(GetTransferStatusArgs(skip_waiting=True))
+        assert rc == SUCCESS
+        for r in results:
+            assert r.status != TransferStatus.WAITING  # skip_waiting
+            seen[r.req] = (r.user_data, r.status)
+        assert time.monotonic() < deadline
+        time.sleep(0.002)
+    assert seen == {req1: (111, TransferStatus.COMPLETED), req2: (222, TransferStatus.COMPLETED)}
+    for i in (0, 1, n // 2, n - 1):
+        np.testing.assert_array_equal(p.abuf[(n - 1 - i) * chunk:(n - i) * chunk], p.bbuf[i * chunk:(i + 1) * chunk])
+    # Freed after they were reported: the same ids are now unknown.
+    assert p.b.get_transfer_status(req1) == (PARAM_INVALID, TransferStatus.FAILED)
+    assert p.b.get_all_transfer_status() == (SUCCESS, [])
+
+
+def test_get_transfer_status_frees_finished_requests(pair):
+    p = pair
+    rc, req = p.b.transfer_async(p.a.local_engine, WRITE, [TransferOpDesc(_addr(p.bbuf), _addr(p.abuf), MiB)])
+    assert rc == SUCCESS
+    assert _wait_status(p.b, req) == TransferStatus.COMPLETED
+    assert p.b.get_transfer_status(req) == (PARAM_INVALID, TransferStatus.FAILED)
+    np.testing.assert_array_equal(p.abuf[:MiB], p.bbuf[:MiB])
+
+
+def _remote_ranges(p):
+    a0, size = _addr(p.abuf), p.abuf.size
+    return [
+        (a0 + size - 100, 101, "straddles the end of the peer's region"),
+        (a0 - 1, 10, "starts before the peer's region"),
+        (a0 + size, 1, "just past the peer's region"),
+        (a0 + 16 * size, 4096, "nowhere near a peer region"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(4))
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_out_of_range_remote_refused_before_anything_is_posted(pair, case, mode):
+    p = pair
+    p.abuf[:] = 0
+    remote, length, _ = _remote_ranges(p)[case]
+    # Valid descriptors first: they must not be posted either when a later one is refused.
+    descs = [TransferOpDesc(_addr(p.bbuf) + i * 4096, _addr(p.abuf) + i * 4096, 4096) for i in range(8)]
+    descs.append(TransferOpDesc(_addr(p.bbuf), remote, length))
+    if mode == "sync":
+        assert p.b.transfer_sync(p.a.local_engine, WRITE, descs, 5000) == PARAM_INVALID
+    else:
+        assert p.b.transfer_async(p.a.local_engine, WRITE, descs) == (PARAM_INVALID, 0)
+    assert "remote range is not inside a region" in p.b.last_error()
+    time.sleep(0.05)
+    assert not p.abuf.any(), "a descriptor of a refused call was posted"
+    # The link is still good.
+    assert p.b.transfer_sync(p.a.local_engine, WRITE, descs[:1], 5000) == SUCCESS
+    assert (p.abuf[:4096] == p.bbuf[:4096]).all()
+
+
+def test_unregistered_local_range_refused(pair):
+    p = pair
+    other = np.ones(4096, np.uint8)  # never registered
+    d = TransferOpDesc(_addr(other), _addr(p.abuf), 4096)
+    assert p.b.transfer_sync(p.a.local_engine, WRITE, [d], 5000) == PARAM_INVALID
+    assert "local range is not inside a registered region" in p.b.last_error()
+    d = TransferOpDesc(_addr(p.bbuf) + p.bbuf.size - 10, _addr(p.abuf), 11)  # one byte past
+    assert p.b.transfer_sync(p.a.local_engine, READ, [d], 5000) == PARAM_INVALID
+
+
+def test_regions_registered_after_connect_are_visible(pair):
+    p = pair
+    late = np.zeros(64 * 1024, np.uint8)
+    d = TransferOpDesc(_addr(p.bbuf), _addr(late) + 100, 1000)
+    assert p.b.transfer_sync(p.a.local_engine, WRITE, [d], 5000) == PARAM_INVALID  # not registered yet
+    rc, h = p.a.register_mem(MemDesc(_addr(late), late.size), MemType.MEM_HOST)
+    assert rc == SUCCESS
+    assert p.b.transfer_sync(p.a.local_engine, WRITE, [d], 5000) == SUCCESS, p.b.last_error()
+    np.testing.assert_array_equal(late[100:1100], p.bbuf[:1000])
+    assert not late[:100].any() and not late[1100:].any()
+    # Deregistered: once the update reached b, b refuses instead of posting.
+    assert p.a.deregister_mem(h) == SUCCESS
+    assert p.a.deregister_mem(h) == SUCCESS  # idempotent
+    _until(lambda: p.b.get_link_info(p.a.local_engine)[1]["remote_regions"] == 1, what="region update")
+    assert p.b.transfer_sync(p.a.local_engine, WRITE, [d], 5000) == PARAM_INVALID
+
+
+def test_notify_is_seen_only_after_the_transfer_bytes(pair):
+    p = pair
+    size = 2 * MiB
+    seen, errors = [], []
+    stop = threading.Event()
+
+    def receiver():
+        while not stop.is_set() and len(seen) < 20:
+            rc, notes = p.a.get_notifies()
+            for n in notes:
+                i = int(n.notify_msg)
+                digest = hashlib.sha256(p.abuf[:size].tobytes()).hexdigest()
+                if n.name != "layer" or digest != expected[i]:
+                    errors.append((i, n.name))
+                seen.append(i)
+            time.sleep(0.001)
+
+    expected = []
+    for i in range(20):
+        pattern = np.full(size, i + 1, np.uint8)
+        pattern[::4097] = 255 - i
+        expected.append(hashlib.sha256(pattern.tobytes()).hexdigest())
+    t = threading.Thread(target=receiver)
+    t.start()
+    try:
+        for i in range(20):
+            p.bbuf[:size] = np.full(size, i + 1, np.uint8)
+            p.bbuf[:size:4097] = 255 - i
+            if i % 2:
+                assert p.b.transfer_sync(p.a.local_engine, WRITE,
+                                         [TransferOpDesc(_addr(p.bbuf), _addr(p.abuf), size)], 60000) == SUCCESS
+            else:
+                rc, req = p.b.transfer_async(p.a.local_engine, WRITE,
+                                             [TransferOpDesc(_addr(p.bbuf), _addr(p.abuf), size)])
+                assert rc == SUCCESS and _wait_status(p.b, req) == TransferStatus.COMPLETED
+            assert p.b.send_notify(p.a.local_engine, NotifyDesc("layer", str(i)), 10000) == SUCCESS
+            # Next iteration overwrites abuf: wait until a has looked at this one.
+            _until(lambda: len(seen) > i, what="notify %d" % i)
+    finally:
+        stop.set()
+        t.join()
+    assert seen == list(range(20))
+    assert errors == []
+
+
+def test_notify_limits_and_backpressure(pair):
+    p = pair
+    assert p.b.send_notify(p.a.local_engine, NotifyDesc("n" * 1025, "m"), 1000) == PARAM_INVALID
+    assert p.b.send_notify(p.a.local_engine, NotifyDesc("n", "m" * 1025), 1000) == PARAM_INVALID
+    assert p.b.send_notify(p.a.local_engine, NotifyDesc("ü" * 1024, "€" * 1024), 5000) == SUCCESS  # chars, not bytes
+    rc, notes = p.a.get_notifies()
+    assert rc == SUCCESS and notes == [NotifyDesc("ü" * 1024, "€" * 1024)]
+    for i in range(hixl.MAX_UNREAD_NOTIFIES):
+        rc = p.b.send_notify(p.a.local_engine, NotifyDesc("k", str(i)), 10000)
+        assert rc == SUCCESS, (i, p.b.last_error())
+    assert p.b.send_notify(p.a.local_engine, NotifyDesc("k", "over"), 10000) == RESOURCE_EXHAUSTED
+    rc, notes = p.a.get_notifies()
+    assert rc == SUCCESS and [n.notify_msg for n in notes] == [str(i) for i in range(hixl.MAX_UNREAD_NOTIFIES)]
+    assert p.b.send_notify(p.a.local_engine, NotifyDesc("k", "again"), 10000) == SUCCESS
+    assert p.a.get_notifies() == (SUCCESS, [NotifyDesc("k", "again")])
+    # The other direction too (a never called connect).
+    assert p.a.send_notify(p.b.local_engine, NotifyDesc("back", "x"), 5000) == SUCCESS
+    assert p.b.get_notifies() == (SUCCESS, [NotifyDesc("back", "x")])
+
+
+def test_auto_connect():
+    a = _engine()
+    c = _engine({"AutoConnect": "1"}, listen=False)  # client only
+    d = _engine()
+    try:
+        buf = np.arange(4096, dtype=np.uint8)
+        dst = np.zeros(4096, np.uint8)
+        assert a.register_mem(MemDesc(_addr(dst), dst.size))[0] == SUCCESS
+        assert c.register_mem(MemDesc(_addr(buf), buf.size))[0] == SUCCESS
+        assert d.register_mem(MemDesc(_addr(buf), buf.size))[0] == SUCCESS
+        desc = [TransferOpDesc(_addr(buf), _addr(dst), 4096)]
+        assert d.transfer_sync(a.local_engine, WRITE, desc, 5000) == NOT_CONNECTED  # AutoConnect off
+        assert c.transfer_sync(a.local_engine, WRITE, desc, 10000) == SUCCESS, c.last_error()
+        assert (dst == buf).all()
+        assert c.get_async_connect_status(a.local_engine) == (SUCCESS, AsyncConnectStatus.CONNECTED)
+        # a reaches the client-only engine by its bare IP name.
+        assert a._engine.peers() == [c.local_engine] and c.local_engine == "127.0.0.1"
+    finally:
+        for e in (c, d, a):
+            e.finalize()
+
+
+def test_connect_async_and_disconnect_async():
+    a, b = _engine(), _engine()
+    try:
+        assert b.get_async_connect_status(a.local_engine) == (SUCCESS, AsyncConnectStatus.NOT_CONNECT)
+        assert b.connect_async(a.local_engine, 10000) == SUCCESS
+        _until(lambda: b.get_async_connect_status(a.local_engine)[1] == AsyncConnectStatus.CONNECTED,
+               what="async connect")
+        assert b.get_all_async_connect_status() == (SUCCESS, {a.local_engine: AsyncConnectStatus.CONNECTED})
+        assert b.connect_async(a.local_engine, 1000) == ALREADY_CONNECTED
+        assert b.disconnect_async(a.local_engine, 1000) == SUCCESS
+        _until(lambda: b.get_async_connect_status(a.local_engine)[1] == AsyncConnectStatus.NOT_CONNECT,
+               what="async disconnect")
+        # The peer notices the goodbye too.
+        _until(lambda: a._engine.peers() == [], what="peer sees the disconnect")
+        assert b.disconnect(a.local_engine) == NOT_CONNECTED
+        # Nobody listening: the async connect ends in CONNECT_FAILED.
+        dead = _engine()
+        addr = dead.local_engine
+        dead.finalize()
+        assert b.connect_async(addr, 2000) == SUCCESS
+        _until(lambda: b.get_async_connect_status(addr)[1] == AsyncConnectStatus.CONNECT_FAILED,
+               what="failed async connect")
+        assert b.connect(addr, 500) in (FAILED, TIMEOUT)
+    finally:
+        b.finalize()
+        a.finalize()
+
+
+def test_disconnect_and_reconnect_and_peer_finalize(pair):
+    p = pair
+    d = [TransferOpDesc(_addr(p.bbuf), _addr(p.abuf), 4096)]
+    assert p.b.disconnect(p.a.local_engine) == SUCCESS
+    assert p.b.transfer_sync(p.a.local_engine, WRITE, d, 1000) == NOT_CONNECTED
+    _until(lambda: p.a._engine.peers() == [], what="a drops the link")
+    assert p.b.connect(p.a.local_engine, 10000) == SUCCESS
+    assert p.b.transfer_sync(p.a.local_engine, WRITE, d, 5000) == SUCCESS
+    name = p.a.local_engine
+    p.a.finalize()
+    _until(lambda: p.b._engine.peers() == [], what="b notices a finalized")
+    assert p.b.transfer_sync(name, WRITE, d, 1000) == NOT_CONNECTED
+    assert p.b.send_notify(name, NotifyDesc("x", "y"), 1000) == NOT_CONNECTED
+    assert p.b.connect(name, 1000) in (FAILED, TIMEOUT)  # nobody listens there any more
+
+
+def test_sync_timeout_lets_no_write_land_afterwards():
+    size = 64 * MiB
+    p = Pair(size=size)
+    try:
+        descs = [TransferOpDesc(_addr(p.bbuf) + i * 4 * MiB, _addr(p.abuf) + i * 4 * MiB, 4 * MiB) for i in range(16)]
+        t0 = time.monotonic()
+        rc = p.b.transfer_sync(p.a.local_engine, WRITE, descs, 1)
+        returned = time.monotonic() - t0
+        assert rc == TIMEOUT, (rc, p.b.last_error())
+        snap = p.abuf.copy()
+        time.sleep(2.0)  # far longer than the whole 64 MiB takes to arrive on rxe here
+        landed = int(np.count_nonzero(snap == p.bbuf))
+        print("timeout returned after %.3fs; %d of %d bytes had landed" % (returned, landed, size))
+        np.testing.assert_array_equal(p.abuf, snap, err_msg="bytes landed after transfer_sync returned TIMEOUT")
+        # The link was torn down on both sides; a fresh connect works and moves the bytes.
+        assert p.b.transfer_sync(p.a.local_engine, WRITE, descs[:1], 1000) == NOT_CONNECTED
+        _until(lambda: p.a._engine.peers() == [], what="a drops the aborted link")
+        assert p.b.connect(p.a.local_engine, 10000) == SUCCESS
+        assert p.b.transfer_sync(p.a.local_engine, WRITE, descs, 120000) == SUCCESS, p.b.last_error()
+        np.testing.assert_array_equal(p.abuf, p.bbuf)
+    finally:
+        p.close()
+
+
+def test_device_memory_from_the_acl_shim_and_options():
+    from hixl import acl
+    opts = {"RdmaTrafficClass": "32", "RdmaServiceLevel": "1", "BufferPool": "4:8", "LocalCommRes": "x"}
+    a, b = _engine(opts), _engine(opts)
+    ptrs = []
+    try:
+        size = 2 * MiB
+        rc, pa = acl.aclrtMalloc(size, acl.ACL_MEM_MALLOC_HUGE_FIRST)
+        assert rc == acl.ACL_SUCCESS
+        rc, pb = acl.aclrtMalloc(size, acl.ACL_MEM_MALLOC_NORMAL_ONLY)
+        assert rc == acl.ACL_SUCCESS
+        ptrs = [pa, pb]
+        assert acl.aclrtMemset(pb, size, 0x3C, size) == acl.ACL_SUCCESS
+        assert a.register_mem(MemDesc(pa, size), MemType.MEM_DEVICE)[0] == SUCCESS, a.last_error()
+        assert b.register_mem(MemDesc(pb, size), MemType.MEM_DEVICE)[0] == SUCCESS, b.last_error()
+        assert b.connect(a.local_engine, 10000) == SUCCESS, b.last_error()
+        assert b.transfer_sync(a.local_engine, WRITE, [TransferOpDesc(pb, pa, size)], 30000) == SUCCESS
+        host = np.zeros(size, np.uint8)
+        assert acl.aclrtMemcpy(_addr(host), size, pa, size, acl.ACL_MEMCPY_DEVICE_TO_HOST) == acl.ACL_SUCCESS
+        assert (host == 0x3C).all()
+    finally:
+        b.finalize()
+        a.finalize()
+        for ptr in ptrs:
+            acl.aclrtFree(ptr)
+
+
+def test_concurrent_transfers_from_threads(pair):
+    p = pair
+    n_threads, per = 4, 25
+    chunk = 64 * 1024
+    errors = []
+
+    def worker(t):
+        for i in range(per):
+            off = (t * per + i) * chunk
+            d = [TransferOpDesc(_addr(p.bbuf) + off, _addr(p.abuf) + off, chunk)]
+            rc = p.b.transfer_sync(p.a.local_engine, WRITE, d, 60000)
+            if rc != SUCCESS:
+                errors.append((t, i, rc, p.b.last_error()))
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(n_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    total = n_threads * per * chunk
+    np.testing.assert_array_equal(p.abuf[:total], p.bbuf[:total])
+
+
+def test_cann_style_example_runs():
+    env = dict(os.environ)
+    out = subprocess.run([sys.executable, str(REPO / "examples" / "cann_style.py")], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "example OK" in out.stdout
