@@ -10,6 +10,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("report")
     ap.add_argument("--min-tests", type=int, default=1)
+    ap.add_argument("--require", action="append", default=[], metavar="MODULE",
+                    help="a test module (classname prefix, e.g. tests.rdma.test_hixl_engine) that must have run")
     a = ap.parse_args()
     try:
         root = ET.parse(a.report).getroot()
@@ -28,6 +30,11 @@ def main() -> int:
         names = [c.get("name") for c in root.iter("testcase") if c.find("skipped") is not None]
         print(f"[ci] ERROR: {skipped} RDMA test(s) were skipped, which CI counts as failure: {names[:10]}")
         return 1
+    ran = {c.get("classname", "") for c in root.iter("testcase")}
+    for mod in a.require:
+        if not any(c == mod or c.startswith(mod + ".") for c in ran):
+            print(f"[ci] ERROR: no test of {mod} ran")
+            return 1
     return 1 if failed else 0
 
 
