@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <optional>
+#include <random>
 
 #include "verbs/error.h"
 #include "verbs/log.h"
@@ -108,6 +109,7 @@ struct Engine::Link {
   uint64_t id = 0;
   std::string key;
   bool initiator = false;
+  uint64_t peer_instance = 0;
   wire::Transport transport = wire::Transport::kNone;
   std::shared_ptr<rdma::Endpoint> ep;
   oob::Socket ctrl;
@@ -117,22 +119,41 @@ struct Engine::Link {
   std::mutex mu;  // below
   std::condition_variable cv;
   RegionTable remote;
-  std::map<uint64_t, wire::Control> replies;
+  uint64_t remote_version = 0;
+  std::set<uint64_t> pending;                 // seqs someone waits a reply for
+  std::map<uint64_t, wire::Control> replies;  // only for pending seqs: nothing unsolicited piles up
   uint64_t next_seq = 1;
   bool down = false;
   std::string down_reason;
 
+  // A frame that could not be sent whole leaves the stream unusable: shut the socket down so the
+  // progress thread retires the link, and report the failure.
   void send(const wire::Control& c, Clock::time_point deadline) {
     auto bytes = wire::encode_control(c);
+    deadline = std::min(deadline, Clock::now() + milliseconds(5000));  // a peer that stops reading
     std::lock_guard<std::mutex> g(send_mu);
-    oob::send_all(ctrl, bytes, deadline);
+    try {
+      oob::send_all(ctrl, bytes, deadline);
+    } catch (...) {
+      ctrl.shutdown();
+      throw;
+    }
   }
-  uint64_t new_seq() {
+  // A new sequence number whose reply wait_reply() will collect.
+  uint64_t expect() {
     std::lock_guard<std::mutex> g(mu);
-    return next_seq++;
+    uint64_t seq = next_seq++;
+    pending.insert(seq);
+    return seq;
+  }
+  void forget(uint64_t seq) {
+    std::lock_guard<std::mutex> g(mu);
+    pending.erase(seq);
+    replies.erase(seq);
   }
   void deliver(const wire::Control& c) {
     std::lock_guard<std::mutex> g(mu);
+    if (!pending.count(c.seq)) return;  // late (its waiter gave up) or unsolicited
     replies[c.seq] = c;
     cv.notify_all();
   }
@@ -140,6 +161,7 @@ struct Engine::Link {
   std::optional<wire::Control> wait_reply(uint64_t seq, Clock::time_point deadline, bool* went_down) {
     std::unique_lock<std::mutex> lk(mu);
     cv.wait_until(lk, deadline, [&] { return down || replies.count(seq); });
+    pending.erase(seq);
     auto it = replies.find(seq);
     if (it == replies.end()) {
       if (went_down) *went_down = down;
@@ -148,6 +170,12 @@ struct Engine::Link {
     wire::Control c = std::move(it->second);
     replies.erase(it);
     return c;
+  }
+  void set_regions(const std::vector<wire::Region>& regions, uint64_t version) {
+    std::lock_guard<std::mutex> g(mu);
+    if (version < remote_version) return;  // an older list overtaken by a newer one
+    remote_version = version;
+    remote.assign(to_entries(regions));
   }
 };
 
@@ -163,7 +191,14 @@ struct Engine::Worker {
 };
 
 // ------------------------------------------------------------------------------ lifecycle
-Engine::Engine() = default;
+namespace {
+uint64_t random_instance() {
+  std::random_device rd;
+  return (uint64_t(rd()) << 32) ^ rd() ^ uint64_t(Clock::now().time_since_epoch().count());
+}
+}  // namespace
+
+Engine::Engine() : instance_(random_instance()) {}
 
 Engine::~Engine() {
   try {
@@ -171,6 +206,7 @@ Engine::~Engine() {
   } catch (const std::exception& e) {
     log::warn(std::string("Engine teardown: ") + e.what());
   }
+  if (wake_fd_ >= 0) ::close(wake_fd_);  // here, not in finalize(): late wake() calls stay harmless
 }
 
 bool Engine::ready() const {
@@ -263,6 +299,7 @@ void Engine::finalize() {
     }
     state_ = State::kFinalized;
     links.swap(links_);
+    for (oob::Socket* hs : handshakes_) hs->shutdown();  // handshakes in flight fail now, not at their deadline
   }
   stop_ = true;
   wake();
@@ -282,6 +319,7 @@ void Engine::finalize() {
   std::vector<std::shared_ptr<Worker>> workers;
   {
     std::lock_guard<std::mutex> g(workers_mu_);
+    workers_closed_ = true;  // spawn() refuses from now on, so every worker is joined below
     workers.swap(workers_);
   }
   for (auto& w : workers)
@@ -293,13 +331,12 @@ void Engine::finalize() {
   }
   {
     std::lock_guard<std::mutex> g(reg_mu_);  // MRs go after every QP is gone
+    reg_closed_ = true;
     regions_.clear();
     region_by_range_.clear();
     local_table_.clear();
   }
-  pd_.reset();
-  if (wake_fd_ >= 0) ::close(wake_fd_);
-  wake_fd_ = -1;
+  // pd_ stays until the destructor: calls racing finalize() may still hold a reference path to it.
 }
 
 std::string Engine::local_engine() const {
@@ -322,6 +359,7 @@ void Engine::wake() {
 void Engine::spawn(std::function<void()> fn) {
   auto w = std::make_shared<Worker>();
   std::lock_guard<std::mutex> g(workers_mu_);
+  if (workers_closed_) throw Error("engine is finalizing");
   for (auto it = workers_.begin(); it != workers_.end();) {  // reap finished workers
     if ((*it)->done) {
       (*it)->t.join();
@@ -342,8 +380,9 @@ void Engine::spawn(std::function<void()> fn) {
 }
 
 // ---------------------------------------------------------------------------- registration
-std::vector<wire::Region> Engine::local_regions() const {
+std::vector<wire::Region> Engine::local_regions(uint64_t* version) const {
   std::lock_guard<std::mutex> g(reg_mu_);
+  if (version) *version = reg_version_;
   std::vector<wire::Region> out;
   out.reserve(regions_.size());
   for (const auto& [h, r] : regions_) {
@@ -380,9 +419,11 @@ std::pair<int, uint64_t> Engine::register_mem(uint64_t addr, uint64_t len, MemTy
     uint64_t handle;
     {
       std::lock_guard<std::mutex> g(reg_mu_);
+      if (reg_closed_) return {fail(kFailed, "register_mem: the engine was finalized meanwhile"), 0};
       auto it = region_by_range_.find({addr, len});
       if (it != region_by_range_.end()) return {ok(), it->second};  // another thread won the race
       handle = next_handle_++;
+      ++reg_version_;
       regions_[handle] = {addr, len, type, mr};
       region_by_range_[{addr, len}] = handle;
       local_table_.insert({addr, len, mr ? mr->lkey() : 0, wire::kRemoteRead | wire::kRemoteWrite, handle});
@@ -405,6 +446,7 @@ int Engine::deregister_mem(uint64_t handle) {
       auto it = regions_.find(handle);
       if (it == regions_.end()) return ok();  // already deregistered: idempotent
       mr = std::move(it->second.mr);
+      ++reg_version_;
       region_by_range_.erase({it->second.addr, it->second.len});
       local_table_.erase(handle);
       regions_.erase(it);
@@ -423,9 +465,10 @@ void Engine::push_regions() {
     for (auto& [k, l] : links_) links.push_back(l);
   }
   if (links.empty()) return;
+  std::lock_guard<std::mutex> g(push_mu_);  // the snapshot below is at least as new as any sent before
   wire::Control c;
   c.type = wire::FrameType::kRegions;
-  c.regions = local_regions();
+  c.regions = local_regions(&c.version);
   for (auto& l : links) {
     try {
       l->send(c, Clock::now() + milliseconds(1000));
@@ -450,10 +493,11 @@ wire::Control Engine::hello_frame(wire::FrameType type, const std::shared_ptr<rd
   wire::Control c;
   c.type = type;
   c.transport = transport_;
+  c.instance = instance_;
   c.name = name_;
   if (ep) {
     c.hello = ep->local_info().hello;
-    c.hello->regions = local_regions();
+    c.hello->regions = local_regions(&c.version);
   }
   return c;
 }
@@ -465,17 +509,24 @@ std::shared_ptr<Engine::Link> Engine::find_link(const std::string& key) {
 }
 
 std::shared_ptr<Engine::Link> Engine::add_link(const std::string& key, std::shared_ptr<rdma::Endpoint> ep,
-                                               oob::Socket s, bool initiator, const wire::Control& peer) {
+                                               oob::Socket s, bool initiator, const wire::Control& peer,
+                                               std::shared_ptr<Link>* superseded) {
   auto link = std::make_shared<Link>();
   link->key = key;
   link->initiator = initiator;
+  link->peer_instance = peer.instance;
   link->transport = transport_;
   link->ep = std::move(ep);
   link->ctrl = std::move(s);
-  if (peer.hello) link->remote.assign(to_entries(peer.hello->regions));
+  if (peer.hello) link->set_regions(peer.hello->regions, peer.version);
   {
     std::lock_guard<std::mutex> g(mu_);
-    if (state_ != State::kReady || links_.count(key)) return nullptr;
+    if (state_ != State::kReady) return nullptr;
+    auto it = links_.find(key);
+    if (it != links_.end()) {
+      if (!superseded) return nullptr;
+      *superseded = it->second;  // the caller retires it (outside mu_)
+    }
     link->id = next_link_id_++;
     links_[key] = link;
     auto a = async_.find(key);
@@ -507,10 +558,6 @@ void Engine::remove_link(const std::shared_ptr<Link>& link, const std::string& w
   }
   if (link->ep) link->ep->close();  // QP -> ERR: in-flight requests fail, nothing more is sent
   link->ctrl.shutdown();
-  {
-    std::lock_guard<std::mutex> g(notify_mu_);
-    unread_.erase(link->id);
-  }
   wake();
   log::info("engine " + name_ + ": link to " + link->key + " closed: " + why);
 }
@@ -549,19 +596,40 @@ std::vector<std::string> Engine::peers() {
 }
 
 // ------------------------------------------------------------------------------- connecting
+// Registers a socket that is in a handshake so finalize() can shut it down instead of waiting.
+class Engine::HandshakeGuard {
+ public:
+  HandshakeGuard(Engine& e, oob::Socket* s) : e_(e), s_(s) {
+    std::lock_guard<std::mutex> g(e_.mu_);
+    if (e_.state_ != State::kReady) s_->shutdown();
+    e_.handshakes_.insert(s_);
+  }
+  ~HandshakeGuard() {
+    std::lock_guard<std::mutex> g(e_.mu_);
+    e_.handshakes_.erase(s_);
+  }
+  HandshakeGuard(const HandshakeGuard&) = delete;
+  HandshakeGuard& operator=(const HandshakeGuard&) = delete;
+
+ private:
+  Engine& e_;
+  oob::Socket* s_;
+};
+
 int Engine::connect(const std::string& remote, int timeout_ms) {
   try {
-    if (!ready()) return fail(kFailed, "connect: engine is not initialized");
     auto key = canonical(remote);
     int port = -1;
     if (key) canonical(remote, &port);
-    if (!key || port < 0) return fail(kParamInvalid, "connect: \"" + remote + "\" is not ip:port or [ipv6]:port");
-    if (timeout_ms <= 0) return fail(kParamInvalid, "connect: timeout_in_millis must be > 0");
     {
       std::lock_guard<std::mutex> g(mu_);
+      if (state_ != State::kReady) return fail(kFailed, "connect: engine is not initialized");
+      if (!key || port < 0) return fail(kParamInvalid, "connect: \"" + remote + "\" is not ip:port or [ipv6]:port");
+      if (timeout_ms <= 0) return fail(kParamInvalid, "connect: timeout_in_millis must be > 0");
       if (*key == name_) return fail(kParamInvalid, "connect: " + *key + " is this engine itself");
       if (links_.count(*key)) return fail(kAlreadyConnected, "connect: already connected to " + *key);
-      if (connecting_.count(*key)) return fail(kAlreadyConnected, "connect: a connect to " + *key + " is in progress");
+      if (connecting_.count(*key) || incoming_.count(*key))
+        return fail(kAlreadyConnected, "connect: a handshake with " + *key + " is in progress");
       connecting_.insert(*key);
     }
     int rc;
@@ -591,30 +659,37 @@ int Engine::connect_impl(const std::string& key, int timeout_ms) {
   }
   auto ep = make_endpoint();
   wire::Control peer;
-  try {
-    oob::send_all(s, wire::encode_control(hello_frame(wire::FrameType::kConnect, ep)), deadline);
-    auto [h, payload] = oob::recv_frame(s, deadline);
-    peer = wire::parse_control(h.type, payload.data(), payload.size());
-    if (peer.type == wire::FrameType::kRefuse) {
-      int code = known_code(peer.status) && peer.status != kSuccess ? int(peer.status) : kFailed;
-      return fail(code, "connect to " + key + ": refused by the peer: " + peer.text);
+  {
+    HandshakeGuard guard(*this, &s);
+    try {
+      oob::send_all(s, wire::encode_control(hello_frame(wire::FrameType::kConnect, ep)), deadline);
+      auto [h, payload] = oob::recv_frame(s, deadline);
+      peer = wire::parse_control(h.type, payload.data(), payload.size());
+      if (peer.type == wire::FrameType::kRefuse) {
+        // The peer's reason is passed on; its code only where connect() documents it.
+        int code = peer.status == kAlreadyConnected || peer.status == kUnsupported ? int(peer.status) : kFailed;
+        return fail(code, "connect to " + key + ": refused by the peer: " + peer.text);
+      }
+      if (peer.type != wire::FrameType::kAccept)
+        throw Error("expected an Accept frame, got type " + std::to_string(int(peer.type)));
+      if (peer.transport != transport_ || (ep && !peer.hello))
+        throw Error(std::string("peer answered with transport ") + wire::transport_name(peer.transport) +
+                    ", we asked for " + wire::transport_name(transport_));
+      if (ep) ep->connect(*peer.hello);
+      oob::send_all(s, wire::encode_ready(), deadline);
+    } catch (const Error& e) {
+      if (!ready()) return fail(kFailed, "connect to " + key + ": engine finalized during the handshake");
+      return fail(e.err() == ETIMEDOUT ? kTimeout : kFailed, "connect to " + key + ": handshake: " + e.what());
     }
-    if (peer.type != wire::FrameType::kAccept)
-      throw Error("expected an Accept frame, got type " + std::to_string(int(peer.type)));
-    if (peer.transport != transport_ || (ep && !peer.hello))
-      throw Error(std::string("peer answered with transport ") + wire::transport_name(peer.transport) +
-                  ", we asked for " + wire::transport_name(transport_));
-    if (ep) ep->connect(*peer.hello);
-    oob::send_all(s, wire::encode_ready(), deadline);
-  } catch (const Error& e) {
-    return fail(e.err() == ETIMEDOUT ? kTimeout : kFailed, "connect to " + key + ": handshake: " + e.what());
   }
-  if (!add_link(key, std::move(ep), std::move(s), true, peer))
-    return fail(kAlreadyConnected, "connect to " + key + ": a link appeared meanwhile (the peer connected to us)");
+  if (!add_link(key, std::move(ep), std::move(s), true, peer, nullptr))
+    return fail(ready() ? kAlreadyConnected : kFailed,
+                "connect to " + key + ": a link appeared meanwhile, or the engine is finalizing");
   return ok();
 }
 
 void Engine::serve_incoming(oob::Socket s) {
+  HandshakeGuard guard(*this, &s);
   auto deadline = Clock::now() + milliseconds(opts_.handshake_timeout_ms);
   auto refuse = [&](int code, const std::string& why) {
     log::info("engine " + name_ + ": refusing a peer: " + why);
@@ -635,7 +710,8 @@ void Engine::serve_incoming(oob::Socket s) {
   } catch (const std::exception& e) {
     return refuse(kFailed, std::string("bad handshake: ") + e.what());
   }
-  auto key = canonical(c.name);
+  int peer_port = -1;
+  auto key = canonical(c.name, &peer_port);
   if (!key) return refuse(kParamInvalid, "peer name \"" + c.name + "\" is not an engine address");
   if (c.transport != transport_ || transport_ == wire::Transport::kNone || !c.hello)
     return refuse(kUnsupported, std::string("no common transport: peer offers ") + wire::transport_name(c.transport) +
@@ -643,25 +719,35 @@ void Engine::serve_incoming(oob::Socket s) {
   {
     std::lock_guard<std::mutex> g(mu_);
     if (state_ != State::kReady) return refuse(kFailed, name_ + " is finalizing");
-    if (links_.count(*key)) return refuse(kAlreadyConnected, name_ + " is already connected to " + *key);
+    if (*key == name_) return refuse(kParamInvalid, "peer claims this engine's own name " + name_);
+    auto it = links_.find(*key);
+    // A Connect from a peer we have a link to means that peer dropped its end (a disconnect whose
+    // goodbye is still in flight, or a restart): the new connection supersedes the old one. Only a
+    // second client-only engine from the same IP (same name, another instance) is refused.
+    if (it != links_.end() && peer_port < 0 && it->second->peer_instance != c.instance)
+      return refuse(kAlreadyConnected, "another client-only engine from " + *key + " is connected to " + name_ +
+                                           "; give each client a port to tell them apart");
+    if (incoming_.count(*key)) return refuse(kAlreadyConnected, "a handshake from " + *key + " is in progress");
     // Both ends connecting to each other at once: the smaller name's outgoing connect wins.
     if (connecting_.count(*key) && name_ < *key)
       return refuse(kAlreadyConnected, name_ + " is connecting to " + *key + " itself");
-    connecting_.insert(*key);
+    incoming_.insert(*key);
   }
+  std::shared_ptr<Link> old;
   try {
     auto ep = make_endpoint();
     ep->connect(*c.hello);  // RTR/RTS before we answer: the client may write as soon as it has our reply
     oob::send_all(s, wire::encode_control(hello_frame(wire::FrameType::kAccept, ep)), deadline);
     auto [h, payload] = oob::recv_frame(s, deadline);
     if (h.type != wire::FrameType::kReady) throw Error("expected READY, got frame type " + std::to_string(int(h.type)));
-    if (!add_link(*key, std::move(ep), std::move(s), false, c))
-      log::info("engine " + name_ + ": dropping a duplicate link from " + *key);
+    if (!add_link(*key, std::move(ep), std::move(s), false, c, &old))
+      log::info("engine " + name_ + ": dropping the link from " + *key + " (finalizing)");
   } catch (const std::exception& e) {
     log::warn("engine " + name_ + ": handshake with " + *key + " failed: " + e.what());
   }
+  if (old) remove_link(old, "superseded by a new connection from the same peer");
   std::lock_guard<std::mutex> g(mu_);
-  connecting_.erase(*key);
+  incoming_.erase(*key);
 }
 
 int Engine::disconnect(const std::string& remote, int timeout_ms) {
@@ -708,18 +794,24 @@ int Engine::connect_async(const std::string& remote, int timeout_ms) {
       async_[*key] = ConnState::kConnectPending;
     }
     std::string k = *key;
-    spawn([this, k, timeout_ms] {
-      {
+    try {
+      spawn([this, k, timeout_ms] {
+        {
+          std::lock_guard<std::mutex> g(mu_);
+          async_[k] = ConnState::kConnecting;
+        }
+        int rc = connect(k, timeout_ms);
         std::lock_guard<std::mutex> g(mu_);
-        async_[k] = ConnState::kConnecting;
-      }
-      int rc = connect(k, timeout_ms);
+        if (rc == kSuccess || (rc == kAlreadyConnected && links_.count(k)))
+          async_.erase(k);  // CONNECTED from now on comes from the link itself
+        else
+          async_[k] = ConnState::kConnectFailed;
+      });
+    } catch (const std::exception& e) {
       std::lock_guard<std::mutex> g(mu_);
-      if (rc == kSuccess || (rc == kAlreadyConnected && links_.count(k)))
-        async_.erase(k);  // CONNECTED from now on comes from the link itself
-      else
-        async_[k] = ConnState::kConnectFailed;
-    });
+      async_.erase(k);
+      return fail(kFailed, "connect_async(" + k + "): " + e.what());
+    }
     return ok();
   } catch (const std::exception& e) {
     return fail(kFailed, "connect_async(" + remote + "): " + e.what());
@@ -740,15 +832,21 @@ int Engine::disconnect_async(const std::string& remote, int timeout_ms) {
       async_[*key] = ConnState::kDisconnectPending;
     }
     std::string k = *key;
-    spawn([this, k, timeout_ms] {
-      {
+    try {
+      spawn([this, k, timeout_ms] {
+        {
+          std::lock_guard<std::mutex> g(mu_);
+          async_[k] = ConnState::kDisconnecting;
+        }
+        disconnect_impl(k, timeout_ms, "disconnected by " + name_);
         std::lock_guard<std::mutex> g(mu_);
-        async_[k] = ConnState::kDisconnecting;
-      }
-      disconnect_impl(k, timeout_ms, "disconnected by " + name_);
+        async_.erase(k);
+      });
+    } catch (const std::exception& e) {
       std::lock_guard<std::mutex> g(mu_);
       async_.erase(k);
-    });
+      return fail(kFailed, "disconnect_async(" + k + "): " + e.what());
+    }
     return ok();
   } catch (const std::exception& e) {
     return fail(kFailed, "disconnect_async(" + remote + "): " + e.what());
@@ -834,15 +932,16 @@ int Engine::prepare(const std::shared_ptr<Link>& link, TransferOp op, const std:
   size_t bad = 0;
   if (resolve(&bad)) return kSuccess;
   // Not in our copy of the peer's regions: it may have registered since. Ask once, then decide.
-  uint64_t seq = link->new_seq();
+  uint64_t seq = link->expect();
   wire::Control q;
   q.type = wire::FrameType::kRegionsReq;
   q.seq = seq;
   auto until = std::min(deadline, Clock::now() + milliseconds(1000));
   try {
     link->send(q, until);
-    link->wait_reply(seq, until, nullptr);
+    link->wait_reply(seq, until, nullptr);  // the progress thread applied the list before delivering
   } catch (const std::exception& e) {
+    link->forget(seq);
     log::info("region refresh from " + link->key + " failed: " + e.what());
   }
   if (resolve(&bad)) return kSuccess;
@@ -852,27 +951,27 @@ int Engine::prepare(const std::shared_ptr<Link>& link, TransferOp op, const std:
                                  (op == TransferOp::kWrite ? "remote write" : "remote read"));
 }
 
-void Engine::abort_link(const std::shared_ptr<Link>& link, const std::string& why) {
+bool Engine::abort_link(const std::shared_ptr<Link>& link, const std::string& why) {
   // 1. Our QP to ERR: nothing more leaves this side. 2. The peer moves its QP to ERR too, so packets
-  // still in the network are dropped on arrival, and confirms. Only then does the caller return.
+  // still in the network are dropped on arrival, and confirms. Only then may the caller say "no
+  // write of this call lands later".
   if (link->ep) link->ep->close();
   bool confirmed = false;
+  uint64_t seq = link->expect();
   try {
-    uint64_t seq = link->new_seq();
     wire::Control a;
     a.type = wire::FrameType::kAbort;
     a.seq = seq;
     a.text = why;
-    auto until = Clock::now() + milliseconds(2000);
+    auto until = Clock::now() + milliseconds(5000);
     link->send(a, until);
     confirmed = link->wait_reply(seq, until, nullptr).has_value();
   } catch (const std::exception& e) {
+    link->forget(seq);
     log::warn("abort of link " + link->key + ": " + e.what());
   }
-  if (!confirmed)
-    log::warn("engine " + name_ + ": " + link->key + " did not confirm the link abort; its queue pair may accept "
-              "packets still in flight until it notices the link is gone");
   remove_link(link, why);
+  return confirmed;
 }
 
 int Engine::transfer_sync(const std::string& remote, TransferOp op, const std::vector<OpDesc>& descs,
@@ -903,9 +1002,13 @@ int Engine::transfer_sync(const std::string& remote, TransferOp op, const std::v
       remove_link(link, "transfer failed: " + r.error);
       return fail(kFailed, "transfer_sync to " + *key + ": " + r.error);
     }
-    abort_link(link, "transfer_sync timed out after " + std::to_string(timeout_ms) + " ms");
+    if (!abort_link(link, "transfer_sync timed out after " + std::to_string(timeout_ms) + " ms"))
+      return fail(kFailed, "transfer_sync to " + *key + ": not complete within " + std::to_string(timeout_ms) +
+                               " ms, and the peer did not confirm its queue pair is in the error state: writes "
+                               "already on the wire may still land. The link is closed");
     return fail(kTimeout, "transfer_sync to " + *key + ": not complete within " + std::to_string(timeout_ms) +
-                              " ms; the link was torn down so none of its writes can land later");
+                              " ms; both queue pairs are in the error state, so none of its writes can land later. "
+                              "The link is closed");
   } catch (const std::exception& e) {
     return fail(kFailed, "transfer_sync(" + remote + "): " + e.what());
   }
@@ -939,23 +1042,20 @@ std::pair<int, uint64_t> Engine::transfer_async(const std::string& remote, Trans
   }
 }
 
+// Both status calls hold mu_ across the endpoint query: a terminal status is consumed exactly once,
+// so two threads polling one request cannot turn a COMPLETED into "unknown request".
 std::pair<int, int> Engine::transfer_status(uint64_t req) {
   try {
-    Request r;
-    {
-      std::lock_guard<std::mutex> g(mu_);
-      if (state_ != State::kReady) return {fail(kFailed, "get_transfer_status: engine is not initialized"), 0};
-      auto it = reqs_.find(req);
-      if (it == reqs_.end())
-        return {fail(kParamInvalid, "get_transfer_status(req=" + std::to_string(req) +
-                                        "): unknown request (never issued, or already reported complete/failed)"),
-                int(TransferStatus::kFailed)};
-      r = it->second;
-    }
-    rdma::RequestResult res = r.link->ep->status(r.ep_req);
+    std::lock_guard<std::mutex> g(mu_);
+    if (state_ != State::kReady) return {fail(kFailed, "get_transfer_status: engine is not initialized"), 0};
+    auto it = reqs_.find(req);
+    if (it == reqs_.end())
+      return {fail(kParamInvalid, "get_transfer_status(req=" + std::to_string(req) +
+                                      "): unknown request (never issued, or already reported complete/failed)"),
+              int(TransferStatus::kFailed)};
+    rdma::RequestResult res = it->second.link->ep->status(it->second.ep_req);
     if (res.status != TransferStatus::kWaiting) {
-      std::lock_guard<std::mutex> g(mu_);
-      reqs_.erase(req);
+      reqs_.erase(it);
       if (res.status == TransferStatus::kFailed) log::warn("transfer request " + std::to_string(req) + " failed: " + res.error);
     }
     return {ok(), int(res.status)};
@@ -966,23 +1066,21 @@ std::pair<int, int> Engine::transfer_status(uint64_t req) {
 
 std::pair<int, std::vector<TransferResult>> Engine::all_transfer_status(uint64_t max_count, bool skip_waiting) {
   try {
-    std::vector<std::pair<uint64_t, Request>> snap;
-    {
-      std::lock_guard<std::mutex> g(mu_);
-      if (state_ != State::kReady) return {fail(kFailed, "get_all_transfer_status: engine is not initialized"), {}};
-      snap.assign(reqs_.begin(), reqs_.end());
-    }
-    std::vector<TransferResult> out;
-    std::vector<uint64_t> done;
-    for (auto& [id, r] : snap) {
-      if (out.size() >= max_count) break;
-      rdma::RequestResult res = r.link->ep->status(r.ep_req);
-      if (res.status != TransferStatus::kWaiting) done.push_back(id);
-      else if (skip_waiting) continue;
-      out.push_back({id, r.user_data, int(res.status)});
-    }
     std::lock_guard<std::mutex> g(mu_);
-    for (uint64_t id : done) reqs_.erase(id);
+    if (state_ != State::kReady) return {fail(kFailed, "get_all_transfer_status: engine is not initialized"), {}};
+    std::vector<TransferResult> out;
+    for (auto it = reqs_.begin(); it != reqs_.end() && out.size() < max_count;) {
+      rdma::RequestResult res = it->second.link->ep->status(it->second.ep_req);
+      uint64_t id = it->first, user_data = it->second.user_data;
+      if (res.status != TransferStatus::kWaiting) {
+        if (res.status == TransferStatus::kFailed) log::warn("transfer request " + std::to_string(id) + " failed: " + res.error);
+        it = reqs_.erase(it);
+      } else {
+        ++it;
+        if (skip_waiting) continue;
+      }
+      out.push_back({id, user_data, int(res.status)});
+    }
     return {ok(), out};
   } catch (const std::exception& e) {
     return {fail(kFailed, "get_all_transfer_status: " + std::string(e.what())), {}};
@@ -994,15 +1092,15 @@ int Engine::send_notify(const std::string& remote, const std::string& name, cons
   try {
     if (!ready()) return fail(kFailed, "send_notify: engine is not initialized");
     if (timeout_ms <= 0) return fail(kParamInvalid, "send_notify: timeout_in_millis must be > 0");
-    if (name.size() > wire::kMaxName || msg.size() > wire::kMaxName)
-      return fail(kParamInvalid, "send_notify: name/message longer than 1024 characters");
+    if (name.size() > kMaxNotifyBytes || msg.size() > kMaxNotifyBytes)
+      return fail(kParamInvalid, "send_notify: name/message longer than 1024 characters (4096 bytes of UTF-8)");
     auto key = canonical(remote);
     if (!key) return fail(kParamInvalid, "send_notify: \"" + remote + "\" is not an engine address");
     auto deadline = Clock::now() + milliseconds(timeout_ms);
     std::shared_ptr<Link> link;
     int rc = ensure_link(*key, timeout_ms, &link);
     if (rc != kSuccess) return rc;
-    uint64_t seq = link->new_seq();
+    uint64_t seq = link->expect();
     wire::Control n;
     n.type = wire::FrameType::kNotify;
     n.seq = seq;
@@ -1014,6 +1112,7 @@ int Engine::send_notify(const std::string& remote, const std::string& name, cons
       link->send(n, deadline);
       ack = link->wait_reply(seq, deadline, &went_down);
     } catch (const Error& e) {
+      link->forget(seq);
       return fail(e.err() == ETIMEDOUT ? kTimeout : kNotifyFailed, "send_notify to " + *key + ": " + e.what());
     }
     if (!ack) {
@@ -1034,7 +1133,6 @@ std::pair<int, std::vector<Notify>> Engine::get_notifies() {
   std::lock_guard<std::mutex> g(notify_mu_);
   std::vector<Notify> out(std::make_move_iterator(inbox_.begin()), std::make_move_iterator(inbox_.end()));
   inbox_.clear();
-  inbox_link_.clear();
   unread_.clear();
   return {ok(), std::move(out)};
 }
@@ -1047,15 +1145,16 @@ void Engine::handle_frame(const std::shared_ptr<Link>& link, const wire::Control
       wire::Control ack;
       ack.type = wire::FrameType::kNotifyAck;
       ack.seq = c.seq;
-      {
+      if (c.name.size() > kMaxNotifyBytes || c.text.size() > kMaxNotifyBytes) {
+        ack.status = kParamInvalid;  // our senders never do this: a hostile or broken peer
+      } else {
         std::lock_guard<std::mutex> g(notify_mu_);
-        size_t& unread = unread_[link->id];
+        size_t& unread = unread_[link->key];  // per peer, so reconnecting does not reset it
         if (unread >= kMaxUnreadNotifies) {
           ack.status = kResourceExhausted;
         } else {
           ++unread;
           inbox_.push_back({c.name, c.text});
-          inbox_link_.push_back(link->id);
           ack.status = kSuccess;
         }
       }
@@ -1065,17 +1164,14 @@ void Engine::handle_frame(const std::shared_ptr<Link>& link, const wire::Control
     case wire::FrameType::kNotifyAck:
     case wire::FrameType::kAbortAck: link->deliver(c); break;
     case wire::FrameType::kRegions:
-      {
-        std::lock_guard<std::mutex> g(link->mu);
-        link->remote.assign(to_entries(c.regions));
-      }
+      link->set_regions(c.regions, c.version);
       if (c.seq) link->deliver(c);
       break;
     case wire::FrameType::kRegionsReq: {
       wire::Control r;
       r.type = wire::FrameType::kRegions;
       r.seq = c.seq;
-      r.regions = local_regions();
+      r.regions = local_regions(&r.version);
       link->send(r, until);
       break;
     }
@@ -1130,7 +1226,7 @@ void Engine::progress_loop() {
           oob::Socket s = oob::accept_tcp(listener_, milliseconds(0));
           if (s.valid()) {
             auto sp = std::make_shared<oob::Socket>(std::move(s));
-            spawn([this, sp] { serve_incoming(std::move(*sp)); });
+            spawn([this, sp] { serve_incoming(std::move(*sp)); });  // throws once finalizing: sp closes
           }
         } catch (const std::exception& e) {
           log::warn("engine " + name_ + ": accept: " + e.what());

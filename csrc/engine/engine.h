@@ -56,7 +56,8 @@ enum class MemType : int { kDevice = 0, kHost = 1 };
 enum class TransferOp : int { kRead = 0, kWrite = 1 };
 using TransferStatus = rdma::Status;  // WAITING 0, COMPLETED 1, TIMEOUT 2, FAILED 3
 
-constexpr size_t kMaxUnreadNotifies = 4096;  // per link; beyond that the sender gets RESOURCE_EXHAUSTED
+constexpr size_t kMaxUnreadNotifies = 4096;  // per peer; beyond that the sender gets RESOURCE_EXHAUSTED
+constexpr size_t kMaxNotifyBytes = 4096;     // name / message: 1024 characters of UTF-8
 
 struct Options {
   std::string transport = "auto";  // auto | rdma | shm | tcp
@@ -136,6 +137,7 @@ class Engine {
   struct Link;
   struct Request;
   struct Worker;
+  class HandshakeGuard;
   enum class State { kNew, kReady, kFinalized };
 
   // Implementation of the public calls (may throw; the public wrappers turn that into codes).
@@ -144,21 +146,22 @@ class Engine {
   int ensure_link(const std::string& key, int timeout_ms, std::shared_ptr<Link>* out);
   int prepare(const std::shared_ptr<Link>& link, TransferOp op, const std::vector<OpDesc>& descs,
               std::chrono::steady_clock::time_point deadline, std::vector<rdma::Desc>* out);
-  void abort_link(const std::shared_ptr<Link>& link, const std::string& why);
+  // True once the peer confirmed its queue pair is in the error state too.
+  bool abort_link(const std::shared_ptr<Link>& link, const std::string& why);
 
   std::shared_ptr<rdma::Endpoint> make_endpoint() const;
   wire::Control hello_frame(wire::FrameType type, const std::shared_ptr<rdma::Endpoint>& ep) const;
-  std::vector<wire::Region> local_regions() const;
+  std::vector<wire::Region> local_regions(uint64_t* version = nullptr) const;
   std::shared_ptr<Link> find_link(const std::string& key);
   std::shared_ptr<Link> add_link(const std::string& key, std::shared_ptr<rdma::Endpoint> ep, oob::Socket s,
-                                 bool initiator, const wire::Control& peer);
+                                 bool initiator, const wire::Control& peer, std::shared_ptr<Link>* superseded);
   void remove_link(const std::shared_ptr<Link>& link, const std::string& why);
   void push_regions();
 
   void progress_loop();
   void serve_incoming(oob::Socket s);
   void handle_frame(const std::shared_ptr<Link>& link, const wire::Control& c);
-  void spawn(std::function<void()> fn);
+  void spawn(std::function<void()> fn);  // throws hixl::Error once finalize() began
   void wake();
   bool ready() const;
 
@@ -171,6 +174,8 @@ class Engine {
   wire::Transport transport_ = wire::Transport::kNone;
   std::shared_ptr<verbs::ProtectionDomain> pd_;  // shared with every link's endpoint
 
+  const uint64_t instance_;  // random: tells this engine object apart from a restarted one
+
   mutable std::mutex reg_mu_;  // local registrations
   struct LocalRegion {
     uint64_t addr = 0, len = 0;
@@ -181,9 +186,14 @@ class Engine {
   std::map<std::pair<uint64_t, uint64_t>, uint64_t> region_by_range_;
   RegionTable local_table_;
   uint64_t next_handle_ = 1;
+  uint64_t reg_version_ = 1;   // bumped on every (de)registration; peers keep the newest list
+  bool reg_closed_ = false;    // finalize() cleared the registry: no more insertions
+  std::mutex push_mu_;         // one region push at a time, so each link sees versions in order
 
   std::map<std::string, std::shared_ptr<Link>> links_;  // by canonical peer name
-  std::set<std::string> connecting_;
+  std::set<std::string> connecting_;                    // our outgoing handshakes
+  std::set<std::string> incoming_;                      // handshakes peers started with us
+  std::set<oob::Socket*> handshakes_;                   // sockets in a handshake (shut down by finalize)
   std::map<std::string, ConnState> async_;              // pending/finished async (dis)connects
   std::map<uint64_t, Request> reqs_;
   uint64_t next_req_ = 1;
@@ -191,14 +201,14 @@ class Engine {
 
   std::mutex notify_mu_;
   std::deque<Notify> inbox_;
-  std::deque<uint64_t> inbox_link_;             // link id of each inbox entry
-  std::map<uint64_t, size_t> unread_;           // link id -> unread notifies
+  std::map<std::string, size_t> unread_;        // peer -> unread notifies (kept across reconnects)
 
   oob::Socket listener_;
   int wake_fd_ = -1;
   std::atomic<bool> stop_{false};
   std::thread progress_;
   std::mutex workers_mu_;
+  bool workers_closed_ = false;
   std::vector<std::shared_ptr<Worker>> workers_;
 };
 

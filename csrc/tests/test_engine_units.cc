@@ -74,12 +74,12 @@ std::vector<wire::Control> samples() {
   std::vector<wire::Control> v;
   wire::Control c;
   c.type = wire::FrameType::kConnect; c.transport = wire::Transport::kRdma; c.name = "10.0.0.1:26000";
-  c.hello = hello_with(3); v.push_back(c);
+  c.instance = 0x0123456789abcdefull; c.version = 7; c.hello = hello_with(3); v.push_back(c);
   c = {}; c.type = wire::FrameType::kAccept; c.transport = wire::Transport::kNone; c.name = "[::1]:5"; v.push_back(c);
   c = {}; c.type = wire::FrameType::kRefuse; c.status = 103903; c.text = "already connected"; v.push_back(c);
   c = {}; c.type = wire::FrameType::kNotify; c.seq = 9; c.name = "layer"; c.text = std::string(1024, 'x'); v.push_back(c);
   c = {}; c.type = wire::FrameType::kNotifyAck; c.seq = 9; c.status = 203900; v.push_back(c);
-  c = {}; c.type = wire::FrameType::kRegions; c.seq = 0; c.regions = hello_with(4).regions; v.push_back(c);
+  c = {}; c.type = wire::FrameType::kRegions; c.seq = 0; c.version = 42; c.regions = hello_with(4).regions; v.push_back(c);
   c = {}; c.type = wire::FrameType::kRegionsReq; c.seq = 3; v.push_back(c);
   c = {}; c.type = wire::FrameType::kAbort; c.seq = 4; c.text = "timeout"; v.push_back(c);
   c = {}; c.type = wire::FrameType::kAbortAck; c.seq = 4; v.push_back(c);
@@ -93,6 +93,8 @@ void control_frames() {
     wire::Control d = wire::parse_control_frame(f.data(), f.size());
     CHECK(d.type == c.type);
     CHECK_EQ(d.seq, c.seq);
+    CHECK_EQ(d.instance, c.instance);
+    CHECK_EQ(d.version, c.version);
     CHECK_EQ(d.status, c.status);
     CHECK(d.transport == c.transport);
     CHECK_EQ(d.name, c.name);

@@ -417,7 +417,7 @@ uint64_t Endpoint::submit(Op op, const std::vector<Desc>& descs, uint32_t imm, m
   skip_empty();
   uint64_t next = 0;
   while (next < total) {
-    if (dead_) break;  // the request was failed by fail_all_locked
+    if (dead_ || closed_) break;  // failed or closed meanwhile (fail_all_locked freed the "room")
     // Backpressure: wait until a whole chain fits, so doorbells stay batched under load.
     uint32_t want = uint32_t(std::min<uint64_t>(opts_.max_chain, total - next));
     if (sq_depth_ - (next_seq_ - completed_seq_) < want) {
@@ -497,9 +497,9 @@ uint64_t Endpoint::submit(Op op, const std::vector<Desc>& descs, uint32_t imm, m
     stats_.posted_wrs += n;
     ++stats_.doorbells;
   }
-  if (req.status == Status::kWaiting && dead_) {
+  if (req.status == Status::kWaiting && (dead_ || closed_)) {
     req.status = Status::kFailed;
-    req.error = dead_reason_;
+    req.error = dead_ ? dead_reason_ : "endpoint closed before the request was fully posted";
   }
   if (req.status == Status::kWaiting) inflight_.emplace_back(next_seq_, id);
   return id;

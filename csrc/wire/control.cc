@@ -49,6 +49,8 @@ std::vector<uint8_t> encode_control(const Control& c) {
     case FrameType::kConnect:
     case FrameType::kAccept: {
       w.u32(uint32_t(c.transport));
+      w.u64(c.instance);
+      w.u64(c.version);
       put_str(w, c.name);
       std::vector<uint8_t> hello;
       if (c.hello) hello = encode_hello_payload(*c.hello);
@@ -59,7 +61,7 @@ std::vector<uint8_t> encode_control(const Control& c) {
     case FrameType::kRefuse: w.u32(c.status); put_str(w, c.text); break;
     case FrameType::kNotify: w.u64(c.seq); put_str(w, c.name); put_str(w, c.text); break;
     case FrameType::kNotifyAck: w.u64(c.seq); w.u32(c.status); break;
-    case FrameType::kRegions: w.u64(c.seq); detail::write_regions(w, c.regions); break;
+    case FrameType::kRegions: w.u64(c.seq); w.u64(c.version); detail::write_regions(w, c.regions); break;
     case FrameType::kRegionsReq:
     case FrameType::kAbortAck: w.u64(c.seq); break;
     case FrameType::kAbort: w.u64(c.seq); put_str(w, c.text); break;
@@ -80,6 +82,8 @@ Control parse_control(FrameType type, const uint8_t* payload, size_t len) {
       uint32_t t = r.u32("transport");
       if (t > uint32_t(Transport::kRdma)) throw Error("wire: control: unknown transport " + std::to_string(t));
       c.transport = Transport(t);
+      c.instance = r.u64("instance");
+      c.version = r.u64("version");
       c.name = get_str(r, kMaxName, "name");
       uint32_t n = r.u32("hello_len");
       r.need(n, "hello");
@@ -97,7 +101,11 @@ Control parse_control(FrameType type, const uint8_t* payload, size_t len) {
       c.text = get_str(r, kMaxText, "notify message");
       break;
     case FrameType::kNotifyAck: c.seq = r.u64("seq"); c.status = r.u32("status"); break;
-    case FrameType::kRegions: c.seq = r.u64("seq"); c.regions = detail::read_regions(r, "regions"); break;
+    case FrameType::kRegions:
+      c.seq = r.u64("seq");
+      c.version = r.u64("version");
+      c.regions = detail::read_regions(r, "regions");
+      break;
     case FrameType::kRegionsReq:
     case FrameType::kAbortAck: c.seq = r.u64("seq"); break;
     case FrameType::kAbort: c.seq = r.u64("seq"); c.text = get_str(r, kMaxText, "reason"); break;

@@ -3,12 +3,13 @@
 // Data never travels here on the RDMA transport.
 //
 // Every frame = wire header (wire.h) + one payload below (little endian; str = u32 len + bytes):
-//   Connect    u32 transport, str name, u32 hello_len, hello payload (wire.h; 0 bytes = none)
+//   Connect    u32 transport, u64 instance, u64 version, str name, u32 hello_len, hello payload
+//              (wire.h; hello_len 0 = none; version = the sender's region registry version)
 //   Accept     same as Connect (the server's side)
 //   Refuse     u32 status (hixl status code), str reason
 //   Notify     u64 seq, str name, str message
 //   NotifyAck  u64 seq, u32 status
-//   Regions    u64 seq (0 = unsolicited push), regions (wire.h layout)
+//   Regions    u64 seq (0 = unsolicited push), u64 version, regions (wire.h layout)
 //   RegionsReq u64 seq
 //   Abort      u64 seq, str reason      AbortAck  u64 seq
 //   Bye        str reason
@@ -35,6 +36,8 @@ struct Control {
   uint64_t seq = 0;
   uint32_t status = 0;                  // Refuse, NotifyAck
   Transport transport = Transport::kNone;  // Connect, Accept
+  uint64_t instance = 0;                // Connect/Accept: random per engine object (tells restarts apart)
+  uint64_t version = 0;                 // Connect/Accept/Regions: region registry version (newer wins)
   std::string name;                     // Connect/Accept: engine name; Notify: notify name
   std::string text;                     // Notify: message; Refuse/Abort/Bye: reason
   std::optional<Hello> hello;           // Connect/Accept (RDMA queue pair + regions)

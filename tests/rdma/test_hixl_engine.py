@@ -265,6 +265,10 @@ def test_notify_limits_and_backpressure(pair):
         rc = p.b.send_notify(p.a.local_engine, NotifyDesc("k", str(i)), 10000)
         assert rc == SUCCESS, (i, p.b.last_error())
     assert p.b.send_notify(p.a.local_engine, NotifyDesc("k", "over"), 10000) == RESOURCE_EXHAUSTED
+    # Reconnecting does not reset the count (nothing was read), and nothing queued was dropped.
+    assert p.b.disconnect(p.a.local_engine) == SUCCESS
+    assert p.b.connect(p.a.local_engine, 10000) == SUCCESS, p.b.last_error()
+    assert p.b.send_notify(p.a.local_engine, NotifyDesc("k", "over"), 10000) == RESOURCE_EXHAUSTED
     rc, notes = p.a.get_notifies()
     assert rc == SUCCESS and [n.notify_msg for n in notes] == [str(i) for i in range(hixl.MAX_UNREAD_NOTIFIES)]
     assert p.b.send_notify(p.a.local_engine, NotifyDesc("k", "again"), 10000) == SUCCESS
@@ -291,6 +295,15 @@ def test_auto_connect():
         assert c.get_async_connect_status(a.local_engine) == (SUCCESS, AsyncConnectStatus.CONNECTED)
         # a reaches the client-only engine by its bare IP name.
         assert a._engine.peers() == [c.local_engine] and c.local_engine == "127.0.0.1"
+        assert a.transfer_sync(c.local_engine, READ, [TransferOpDesc(_addr(dst), _addr(buf), 4096)], 5000) == SUCCESS
+        # A second client-only engine from the same IP cannot be told apart: refused, c keeps its link.
+        c2 = _engine(listen=False)
+        try:
+            assert c2.connect(a.local_engine, 5000) == ALREADY_CONNECTED
+            assert "client-only" in c2.last_error()
+        finally:
+            c2.finalize()
+        assert c.transfer_sync(a.local_engine, WRITE, desc, 5000) == SUCCESS
     finally:
         for e in (c, d, a):
             e.finalize()
@@ -329,8 +342,13 @@ def test_disconnect_and_reconnect_and_peer_finalize(pair):
     d = [TransferOpDesc(_addr(p.bbuf), _addr(p.abuf), 4096)]
     assert p.b.disconnect(p.a.local_engine) == SUCCESS
     assert p.b.transfer_sync(p.a.local_engine, WRITE, d, 1000) == NOT_CONNECTED
-    _until(lambda: p.a._engine.peers() == [], what="a drops the link")
-    assert p.b.connect(p.a.local_engine, 10000) == SUCCESS
+    # Reconnect at once, before a may even have read the goodbye: the new link supersedes the old.
+    assert p.b.connect(p.a.local_engine, 10000) == SUCCESS, p.b.last_error()
+    assert p.b.transfer_sync(p.a.local_engine, WRITE, d, 5000) == SUCCESS
+    assert p.a._engine.peers() == [p.b.local_engine]
+    for _ in range(3):  # and again, repeatedly
+        assert p.b.disconnect(p.a.local_engine) == SUCCESS
+        assert p.b.connect(p.a.local_engine, 10000) == SUCCESS, p.b.last_error()
     assert p.b.transfer_sync(p.a.local_engine, WRITE, d, 5000) == SUCCESS
     name = p.a.local_engine
     p.a.finalize()
@@ -421,3 +439,43 @@ def test_cann_style_example_runs():
                          timeout=300, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "example OK" in out.stdout
+
+
+def test_two_threads_polling_one_request_never_see_a_false_failure(pair):
+    p = pair
+    for _ in range(5):
+        rc, req = p.b.transfer_async(p.a.local_engine, WRITE, [TransferOpDesc(_addr(p.bbuf), _addr(p.abuf), MiB)])
+        assert rc == SUCCESS
+        seen = []
+
+        def poll():
+            while True:
+                r = p.b.get_transfer_status(req)
+                if r != (SUCCESS, TransferStatus.WAITING):
+                    seen.append(r)
+                    return
+
+        threads = [threading.Thread(target=poll) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        # Exactly one poller gets the completion; the other finds the request already freed.
+        assert sorted(seen) == sorted([(SUCCESS, TransferStatus.COMPLETED), (PARAM_INVALID, TransferStatus.FAILED)])
+
+
+def test_requests_in_flight_when_the_peer_disconnects_end_failed_not_waiting(pair):
+    p = pair
+    # Far more work requests than the send queue holds, so posting is still in progress (waiting for
+    # room) when the link goes away.
+    descs = [TransferOpDesc(_addr(p.bbuf) + i * 2048, _addr(p.abuf) + i * 2048, 2048) for i in range(3000)]
+    reqs = []
+    for _ in range(3):
+        rc, req = p.b.transfer_async(p.a.local_engine, WRITE, descs)
+        assert rc == SUCCESS
+        reqs.append(req)
+    assert p.a.disconnect(p.b.local_engine) == SUCCESS
+    statuses = [_wait_status(p.b, r, timeout_s=60) for r in reqs]
+    assert all(s in (TransferStatus.COMPLETED, TransferStatus.FAILED) for s in statuses), statuses
+    _until(lambda: p.b._engine.peers() == [], what="b drops the link")
+    assert p.b.get_all_transfer_status() == (SUCCESS, [])
