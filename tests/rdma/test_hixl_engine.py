@@ -466,16 +466,29 @@ def test_two_threads_polling_one_request_never_see_a_false_failure(pair):
 
 def test_requests_in_flight_when_the_peer_disconnects_end_failed_not_waiting(pair):
     p = pair
-    # Far more work requests than the send queue holds, so posting is still in progress (waiting for
-    # room) when the link goes away.
-    descs = [TransferOpDesc(_addr(p.bbuf) + i * 2048, _addr(p.abuf) + i * 2048, 2048) for i in range(3000)]
-    reqs = []
-    for _ in range(3):
-        rc, req = p.b.transfer_async(p.a.local_engine, WRITE, descs)
-        assert rc == SUCCESS
-        reqs.append(req)
+    # Far more work requests than the send queue holds: the posting thread is still waiting for
+    # send-queue room when the peer's goodbye closes the link under it.
+    descs = [TransferOpDesc(_addr(p.bbuf) + (i % 4096) * 2048, _addr(p.abuf) + (i % 4096) * 2048, 2048)
+             for i in range(40000)]
+    reqs, refused = [], []
+
+    def post():
+        for _ in range(2):
+            rc, req = p.b.transfer_async(p.a.local_engine, WRITE, descs)
+            if rc == SUCCESS:
+                reqs.append(req)
+            else:  # the close was noticed while posting: FAILED (or NOT_CONNECTED once the link is gone)
+                refused.append((rc, req))
+
+    t = threading.Thread(target=post)
+    t.start()
+    time.sleep(0.05)
     assert p.a.disconnect(p.b.local_engine) == SUCCESS
+    t.join(120)
+    assert not t.is_alive()
     statuses = [_wait_status(p.b, r, timeout_s=60) for r in reqs]
+    print("statuses after the peer left:", statuses, "refused:", refused)
+    assert all(rc in (FAILED, NOT_CONNECTED) and req == 0 for rc, req in refused), refused
     assert all(s in (TransferStatus.COMPLETED, TransferStatus.FAILED) for s in statuses), statuses
     _until(lambda: p.b._engine.peers() == [], what="b drops the link")
     assert p.b.get_all_transfer_status() == (SUCCESS, [])
