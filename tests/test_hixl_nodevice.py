@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -303,3 +304,21 @@ def test_never_raises_on_hostile_objects(engine):
     assert engine.register_mem(Evil(), MemType.MEM_HOST)[0] in (PARAM_INVALID, FAILED)
     assert engine.transfer_sync(peer, WRITE, [Evil()], 100) in (PARAM_INVALID, FAILED)
     assert engine.transfer_async(peer, WRITE, [Evil()])[0] in (PARAM_INVALID, FAILED)
+
+
+def test_blocking_calls_release_the_gil(engine):
+    # connect() to a listener that never answers blocks ~1 s inside C++. Were the GIL held, this
+    # thread would stall for that whole second; released, it keeps ticking.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        result = []
+        t = threading.Thread(target=lambda: result.append(engine.connect("127.0.0.1:%d" % s.getsockname()[1], 1000)))
+        t.start()
+        last, worst = time.monotonic(), 0.0
+        while t.is_alive():
+            now = time.monotonic()
+            worst, last = max(worst, now - last), now
+        t.join()
+    assert result == [TIMEOUT]
+    assert worst < 0.5, "this thread stalled %.2fs while connect() blocked: GIL held?" % worst

@@ -108,6 +108,8 @@ void hixl_bind_engine(py::module_& m) {
               d["path_mtu"] = li.path_mtu;
               d["qpn"] = li.qpn;
               d["remote_qpn"] = li.remote_qpn;
+              d["traffic_class"] = li.traffic_class;
+              d["service_level"] = li.service_level;
               d["remote_regions"] = li.remote_regions;
             }
             return py::make_tuple(r.first, d);

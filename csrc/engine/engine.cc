@@ -580,6 +580,8 @@ std::pair<int, LinkInfo> Engine::link_info(const std::string& remote) {
     li.qpn = info.hello.qpn;
     auto r = link->ep->remote();
     li.remote_qpn = r ? r->qpn : 0;
+    li.traffic_class = link->ep->options().traffic_class;
+    li.service_level = link->ep->options().service_level;
   }
   {
     std::lock_guard<std::mutex> g(link->mu);

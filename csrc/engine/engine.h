@@ -94,6 +94,7 @@ struct LinkInfo {
   int gid_index = 0;
   int path_mtu = 0;
   uint32_t qpn = 0, remote_qpn = 0;
+  int traffic_class = 0, service_level = 0;  // as applied to the queue pair's address vector
   size_t remote_regions = 0;
 };
 

@@ -398,6 +398,9 @@ def test_device_memory_from_the_acl_shim_and_options():
         assert a.register_mem(MemDesc(pa, size), MemType.MEM_DEVICE)[0] == SUCCESS, a.last_error()
         assert b.register_mem(MemDesc(pb, size), MemType.MEM_DEVICE)[0] == SUCCESS, b.last_error()
         assert b.connect(a.local_engine, 10000) == SUCCESS, b.last_error()
+        for e, peer in ((b, a), (a, b)):
+            rc, info = e.get_link_info(peer.local_engine)
+            assert rc == SUCCESS and (info["traffic_class"], info["service_level"]) == (32, 1)
         assert b.transfer_sync(a.local_engine, WRITE, [TransferOpDesc(pb, pa, size)], 30000) == SUCCESS
         host = np.zeros(size, np.uint8)
         assert acl.aclrtMemcpy(_addr(host), size, pa, size, acl.ACL_MEMCPY_DEVICE_TO_HOST) == acl.ACL_SUCCESS
