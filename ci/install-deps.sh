@@ -23,6 +23,7 @@ PIP_PACKAGES=(
     pybind11==3.1.0
     numpy==2.4.6
     pytest==9.0.3
+    mooncake-transfer-engine-non-cuda==0.3.13.post1   # reference for bench/host_sweep.py
 )
 
 log "apt-get update"

@@ -84,14 +84,16 @@ def test_initialize_port_in_use():
         e.finalize()
 
 
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
-def test_transports_not_in_this_build_are_unsupported(monkeypatch, transport):
+@pytest.mark.parametrize("transport,offers", [("shm", "shm"), ("tcp", "tcp"), ("SHM", "shm")])
+def test_transport_option_and_env_restrict_what_an_engine_offers(monkeypatch, transport, offers):
     e = hixl.Hixl()
-    assert e.initialize("127.0.0.1:0", {"HixlTransport": transport}) == UNSUPPORTED
+    assert e.initialize("127.0.0.1:0", {"HixlTransport": transport}) == SUCCESS
+    assert e._engine.data_transport == offers
     e.finalize()
     monkeypatch.setenv("HIXL_TRANSPORT", transport)
     e = hixl.Hixl()
-    assert e.initialize("127.0.0.1:0") == UNSUPPORTED
+    assert e.initialize("127.0.0.1:0") == SUCCESS
+    assert e._engine.data_transport == offers
     e.finalize()
 
 
@@ -223,13 +225,24 @@ def test_garbage_sent_to_the_listener_does_not_hurt_it(engine):
 
 
 @no_device
-def test_two_engines_without_a_device_get_unsupported(engine):
+def test_without_a_device_auto_picks_shm_on_the_same_host(engine):
+    assert engine._engine.data_transport == "shm,tcp"
     other = hixl.Hixl()
     assert other.initialize("127.0.0.1:0") == SUCCESS
-    assert other._engine.data_transport == "none"
-    assert other.connect(engine.local_engine, 2000) == UNSUPPORTED
-    assert "no common transport" in other.last_error()
+    assert other.connect(engine.local_engine, 2000) == SUCCESS, other.last_error()
+    assert other.get_transport(engine.local_engine) == (SUCCESS, "shm")
+    assert engine.get_transport(other.local_engine) == (SUCCESS, "shm")
     other.finalize()
+
+
+def test_no_common_transport_is_unsupported_and_says_why():
+    a, b = hixl.Hixl(), hixl.Hixl()
+    assert a.initialize("127.0.0.1:0", {"HixlTransport": "shm"}) == SUCCESS
+    assert b.initialize("127.0.0.1:0", {"HixlTransport": "tcp"}) == SUCCESS
+    assert b.connect(a.local_engine, 2000) == UNSUPPORTED
+    assert "no common transport: peer offers tcp" in b.last_error() and "offers shm" in b.last_error()
+    b.finalize()
+    a.finalize()
 
 
 @pytest.mark.parametrize("remote", ["", "127.0.0.1", "x:1", None, 3, "127.0.0.1:70000"])

@@ -9,6 +9,9 @@
 #include <optional>
 #include <random>
 
+#include "acl/allocator.h"
+#include "transport/shm_path.h"
+#include "transport/tcp_path.h"
 #include "verbs/error.h"
 #include "verbs/log.h"
 
@@ -19,6 +22,7 @@ using std::chrono::milliseconds;
 
 namespace {
 
+constexpr int kRetryWithoutShm = -1;  // connect_once(): the same-host probe failed on our side
 thread_local std::string t_last_error;
 
 // Records why a call returns `code` (Engine::last_error) and logs it: refusals of bad input at info
@@ -74,6 +78,19 @@ std::optional<std::string> canonical(const std::string& s, int* port_out = nullp
   return (v6 ? "[" + h + "]" : h) + ":" + std::to_string(port);
 }
 
+std::string offers_string(uint32_t offers) {
+  std::string out;
+  for (auto t : {wire::Transport::kRdma, wire::Transport::kShm, wire::Transport::kTcp})
+    if (offers & wire::transport_bit(t)) out += std::string(out.empty() ? "" : ",") + wire::transport_name(t);
+  return out.empty() ? "none" : out;
+}
+
+std::vector<transport::ShmExtent> to_shm(const std::vector<wire::Extent>& v) {
+  std::vector<transport::ShmExtent> out;
+  for (const auto& e : v) out.push_back({e.addr, e.len, e.offset, int32_t(e.fd)});
+  return out;
+}
+
 std::vector<RegionEntry> to_entries(const std::vector<wire::Region>& regions) {
   std::vector<RegionEntry> out;
   out.reserve(regions.size());
@@ -111,7 +128,10 @@ struct Engine::Link {
   bool initiator = false;
   uint64_t peer_instance = 0;
   wire::Transport transport = wire::Transport::kNone;
-  std::shared_ptr<rdma::Endpoint> ep;
+  std::shared_ptr<transport::DataPath> path;  // what moves the bytes
+  std::shared_ptr<rdma::Endpoint> ep;          // rdma only (for link_info)
+  transport::ShmPath* shm = nullptr;           // shm only: region extents go here
+  transport::TcpPath* tcp = nullptr;           // tcp only: data connections attach here
   oob::Socket ctrl;
 
   std::mutex send_mu;  // one frame at a time on ctrl (the progress thread is its only reader)
@@ -198,7 +218,7 @@ uint64_t random_instance() {
 }
 }  // namespace
 
-Engine::Engine() : instance_(random_instance()) {}
+Engine::Engine() : probe_cookie_(random_instance() | 1), instance_(random_instance()) {}
 
 Engine::~Engine() {
   try {
@@ -230,17 +250,15 @@ int Engine::initialize(const std::string& local_engine, const Options& opts) {
     if (!canon) return fail(kParamInvalid, "initialize: local_engine \"" + local_engine +
                                                "\" is not ip, ip:port or [ipv6]:port");
     std::string host = oob::split_host_port(local_engine).first;
-    if (opts.transport == "shm" || opts.transport == "tcp")
-      return fail(kUnsupported, "initialize: transport \"" + opts.transport +
-                                    "\" is not in this build yet (same-host and TCP transports come next)");
-    if (opts.transport != "auto" && opts.transport != "rdma")
+    if (opts.transport != "auto" && opts.transport != "rdma" && opts.transport != "shm" && opts.transport != "tcp")
       return fail(kParamInvalid, "initialize: unknown transport \"" + opts.transport + "\"");
     if (opts.traffic_class > 255 || opts.service_level > 15 || opts.gid_index > 255)
       return fail(kParamInvalid, "initialize: traffic_class 0..255, service_level 0..15, gid_index 0..255");
 
     std::shared_ptr<verbs::ProtectionDomain> pd;
-    std::string why_none;
-    try {
+    std::string why_none = "not asked for (HixlTransport=" + opts.transport + ")";
+    const bool want_rdma = opts.transport == "auto" || opts.transport == "rdma";
+    if (want_rdma) try {
       pd = verbs::ProtectionDomain::shared_for(opts.device);
       auto pi = pd->context()->query_port(1);
       if (pi.state != IBV_PORT_ACTIVE) {
@@ -253,7 +271,7 @@ int Engine::initialize(const std::string& local_engine, const Options& opts) {
       why_none = e.what();
       pd.reset();
     }
-    if (!pd && (opts.transport == "rdma" || !opts.device.empty()))
+    if (!pd && (opts.transport == "rdma" || (want_rdma && !opts.device.empty())))
       return fail(kFailed, "initialize: RDMA transport requested but unusable: " + why_none);
 
     oob::Socket listener;
@@ -269,7 +287,12 @@ int Engine::initialize(const std::string& local_engine, const Options& opts) {
 
     opts_ = opts;
     pd_ = std::move(pd);
-    transport_ = pd_ ? wire::Transport::kRdma : wire::Transport::kNone;
+    auto_transport_ = opts.transport == "auto";
+    offers_ = 0;
+    if (pd_) offers_ |= wire::transport_bit(wire::Transport::kRdma);
+    if (opts.transport == "auto" || opts.transport == "shm") offers_ |= wire::transport_bit(wire::Transport::kShm);
+    if (opts.transport == "auto" || opts.transport == "tcp") offers_ |= wire::transport_bit(wire::Transport::kTcp);
+    boot_id_ = transport::boot_id();
     listener_ = std::move(listener);
     listening_ = listener_.valid();
     name_ = name;
@@ -278,11 +301,8 @@ int Engine::initialize(const std::string& local_engine, const Options& opts) {
     stop_ = false;
     progress_ = std::thread([this] { progress_loop(); });
     state_ = State::kReady;
-    if (pd_)
-      log::info("engine " + name_ + ": transport rdma on " + pd_->context()->name());
-    else
-      log::warn("engine " + name_ + ": no usable RDMA device (" + why_none +
-                "); connect() will report UNSUPPORTED until the same-host/TCP transports are available");
+    log::info("engine " + name_ + ": transports " + offers_string(offers_) +
+              (pd_ ? " (rdma on " + pd_->context()->name() + ")" : " (no rdma: " + why_none + ")"));
     return ok();
   } catch (const std::exception& e) {
     return fail(kFailed, std::string("initialize(") + local_engine + "): " + e.what());
@@ -346,7 +366,7 @@ std::string Engine::local_engine() const {
 
 std::string Engine::data_transport() const {
   std::lock_guard<std::mutex> g(mu_);
-  return wire::transport_name(transport_);
+  return offers_string(offers_);
 }
 
 void Engine::wake() {
@@ -380,6 +400,14 @@ void Engine::spawn(std::function<void()> fn) {
 }
 
 // ---------------------------------------------------------------------------- registration
+std::vector<wire::Extent> Engine::local_extents() const {
+  std::lock_guard<std::mutex> g(reg_mu_);
+  std::vector<wire::Extent> out;
+  for (const auto& [h, r] : regions_)
+    if (r.fd >= 0) out.push_back({r.addr, r.len, r.fd_offset, uint32_t(r.fd)});
+  return out;
+}
+
 std::vector<wire::Region> Engine::local_regions(uint64_t* version) const {
   std::lock_guard<std::mutex> g(reg_mu_);
   if (version) *version = reg_version_;
@@ -424,7 +452,13 @@ std::pair<int, uint64_t> Engine::register_mem(uint64_t addr, uint64_t len, MemTy
       if (it != region_by_range_.end()) return {ok(), it->second};  // another thread won the race
       handle = next_handle_++;
       ++reg_version_;
-      regions_[handle] = {addr, len, type, mr};
+      LocalRegion lr{addr, len, type, mr};
+      if (auto info = acl::lookup(reinterpret_cast<const void*>(addr));
+          info && info->fd >= 0 && addr + len <= info->base + info->size) {
+        lr.fd = info->fd;  // the shim's memfd: same-host peers map it instead of cross-memory attach
+        lr.fd_offset = info->offset;
+      }
+      regions_[handle] = lr;
       region_by_range_[{addr, len}] = handle;
       local_table_.insert({addr, len, mr ? mr->lkey() : 0, wire::kRemoteRead | wire::kRemoteWrite, handle});
     }
@@ -440,6 +474,7 @@ int Engine::deregister_mem(uint64_t handle) {
     if (!ready()) return fail(kFailed, "deregister_mem: engine is not initialized");
     std::shared_ptr<verbs::MemoryRegion> mr;  // released after reg_mu_ (ibv_dereg_mr can be slow)
     {
+      std::unique_lock<std::shared_mutex> data(data_mu_);  // a TCP peer's write into it finishes first
       std::lock_guard<std::mutex> g(reg_mu_);
       if (handle == 0 || handle >= next_handle_)
         return fail(kParamInvalid, "deregister_mem(handle=" + std::to_string(handle) + "): never issued");
@@ -469,6 +504,7 @@ void Engine::push_regions() {
   wire::Control c;
   c.type = wire::FrameType::kRegions;
   c.regions = local_regions(&c.version);
+  c.extents = local_extents();
   for (auto& l : links) {
     try {
       l->send(c, Clock::now() + milliseconds(1000));
@@ -489,17 +525,51 @@ std::shared_ptr<rdma::Endpoint> Engine::make_endpoint() const {
   return std::make_shared<rdma::Endpoint>(o);
 }
 
-wire::Control Engine::hello_frame(wire::FrameType type, const std::shared_ptr<rdma::Endpoint>& ep) const {
+wire::Control Engine::hello_frame(wire::FrameType type, const std::shared_ptr<rdma::Endpoint>& ep,
+                                  uint32_t offers) const {
   wire::Control c;
   c.type = type;
-  c.transport = transport_;
+  c.offers = offers;
   c.instance = instance_;
   c.name = name_;
-  if (ep) {
-    c.hello = ep->local_info().hello;
-    c.hello->regions = local_regions(&c.version);
-  }
+  c.boot_id = boot_id_;
+  c.pid = uint32_t(::getpid());
+  c.probe_addr = reinterpret_cast<uint64_t>(&probe_cookie_);
+  c.probe_value = probe_cookie_;
+  c.extents = local_extents();
+  c.regions = local_regions(&c.version);
+  if (ep) c.hello = ep->local_info().hello;  // queue pair only: the regions travel in c.regions
   return c;
+}
+
+void Engine::make_path(Link& link, const wire::Control& peer) {
+  switch (link.transport) {
+    case wire::Transport::kRdma:
+      link.path = std::make_shared<transport::RdmaPath>(link.ep);
+      break;
+    case wire::Transport::kShm: {
+      auto p = std::make_shared<transport::ShmPath>(pid_t(peer.pid), link.key);
+      p->set_extents(to_shm(peer.extents));
+      link.shm = p.get();
+      link.path = p;
+      link.ep.reset();
+      break;
+    }
+    case wire::Transport::kTcp: {
+      auto p = std::make_shared<transport::TcpPath>(
+          link.key,
+          [this](uint64_t a, uint64_t len, bool) {
+            std::lock_guard<std::mutex> g(reg_mu_);
+            return local_table_.find(a, len, 0) != nullptr;
+          },
+          &data_mu_);
+      link.tcp = p.get();
+      link.path = p;
+      link.ep.reset();
+      break;
+    }
+    default: throw Error(std::string("no data path for transport ") + wire::transport_name(link.transport));
+  }
 }
 
 std::shared_ptr<Engine::Link> Engine::find_link(const std::string& key) {
@@ -508,39 +578,38 @@ std::shared_ptr<Engine::Link> Engine::find_link(const std::string& key) {
   return it == links_.end() ? nullptr : it->second;
 }
 
-std::shared_ptr<Engine::Link> Engine::add_link(const std::string& key, std::shared_ptr<rdma::Endpoint> ep,
-                                               oob::Socket s, bool initiator, const wire::Control& peer,
-                                               std::shared_ptr<Link>* superseded) {
-  auto link = std::make_shared<Link>();
-  link->key = key;
-  link->initiator = initiator;
+bool Engine::add_link(const std::shared_ptr<Link>& link, oob::Socket s, const wire::Control& peer,
+                      std::shared_ptr<Link>* superseded) {
   link->peer_instance = peer.instance;
-  link->transport = transport_;
-  link->ep = std::move(ep);
   link->ctrl = std::move(s);
-  if (peer.hello) link->set_regions(peer.hello->regions, peer.version);
+  link->set_regions(peer.regions, peer.version);
   {
     std::lock_guard<std::mutex> g(mu_);
-    if (state_ != State::kReady) return nullptr;
-    auto it = links_.find(key);
+    if (state_ != State::kReady) return false;
+    auto it = links_.find(link->key);
     if (it != links_.end()) {
-      if (!superseded) return nullptr;
+      if (!superseded) return false;
       *superseded = it->second;  // the caller retires it (outside mu_)
     }
     link->id = next_link_id_++;
-    links_[key] = link;
-    auto a = async_.find(key);
+    links_[link->key] = link;
+    auto a = async_.find(link->key);
     if (a != async_.end() && a->second == ConnState::kConnectFailed) async_.erase(a);
   }
   wake();
-  std::string detail;
+  std::string detail = " (" + std::to_string(peer.regions.size()) + " remote regions";
   if (link->ep)
-    detail = " (device " + link->ep->local_info().device + ", gid index " +
-             std::to_string(link->ep->local_info().gid_index) + ", path mtu " + std::to_string(link->ep->path_mtu()) +
-             ", " + std::to_string(peer.hello ? peer.hello->regions.size() : 0) + " remote regions)";
-  log::info("engine " + name_ + ": link to " + key + " uses transport " + wire::transport_name(transport_) + detail +
-            (initiator ? ", we connected" : ", peer connected"));
-  return link;
+    detail += ", device " + link->ep->local_info().device + ", gid index " +
+              std::to_string(link->ep->local_info().gid_index) + ", path mtu " + std::to_string(link->ep->path_mtu());
+  if (link->shm) detail += ", peer pid " + std::to_string(peer.pid) + ", " + std::to_string(peer.extents.size()) + " memfd regions";
+  detail += ")";
+  std::string msg = "engine " + name_ + ": link to " + link->key + " uses transport " +
+                    wire::transport_name(link->transport) + detail + (link->initiator ? ", we connected" : ", peer connected");
+  if (link->transport == wire::Transport::kTcp && auto_transport_)
+    log::warn(msg + ": the TCP fallback (no RDMA device on both ends, and not the same host)");
+  else
+    log::info(msg);
+  return true;
 }
 
 void Engine::remove_link(const std::shared_ptr<Link>& link, const std::string& why) {
@@ -556,7 +625,7 @@ void Engine::remove_link(const std::shared_ptr<Link>& link, const std::string& w
     link->down_reason = why;
     link->cv.notify_all();
   }
-  if (link->ep) link->ep->close();  // QP -> ERR: in-flight requests fail, nothing more is sent
+  if (link->path) link->path->close();  // rdma: QP -> ERR; shm/tcp: copies stopped, peer's requests refused
   link->ctrl.shutdown();
   wake();
   log::info("engine " + name_ + ": link to " + link->key + " closed: " + why);
@@ -651,6 +720,19 @@ int Engine::connect(const std::string& remote, int timeout_ms) {
 }
 
 int Engine::connect_impl(const std::string& key, int timeout_ms) {
+  auto start = Clock::now();
+  std::string shm_refusal;
+  int rc = connect_once(key, timeout_ms, offers_, &shm_refusal);
+  if (rc != kRetryWithoutShm) return rc;
+  // The peer could reach us on this host, but we cannot reach it: say so and use what remains.
+  log::warn("engine " + name_ + ": same-host transport to " + key + " is not usable from this side (" + shm_refusal +
+            "); reconnecting without it");
+  int left = int(std::chrono::duration_cast<milliseconds>(Clock::now() - start).count());
+  return connect_once(key, std::max(1, timeout_ms - left), offers_ & ~wire::transport_bit(wire::Transport::kShm),
+                      nullptr);
+}
+
+int Engine::connect_once(const std::string& key, int timeout_ms, uint32_t offers, std::string* shm_refusal) {
   auto [host, port] = oob::split_host_port(key);
   auto deadline = Clock::now() + milliseconds(timeout_ms);
   oob::Socket s;
@@ -659,12 +741,15 @@ int Engine::connect_impl(const std::string& key, int timeout_ms) {
   } catch (const Error& e) {
     return fail(e.err() == ETIMEDOUT ? kTimeout : kFailed, "connect to " + key + ": " + e.what());
   }
-  auto ep = make_endpoint();
+  auto link = std::make_shared<Link>();
+  link->key = key;
+  link->initiator = true;
+  auto ep = (offers & wire::transport_bit(wire::Transport::kRdma)) ? make_endpoint() : nullptr;
   wire::Control peer;
   {
     HandshakeGuard guard(*this, &s);
     try {
-      oob::send_all(s, wire::encode_control(hello_frame(wire::FrameType::kConnect, ep)), deadline);
+      oob::send_all(s, wire::encode_control(hello_frame(wire::FrameType::kConnect, ep, offers)), deadline);
       auto [h, payload] = oob::recv_frame(s, deadline);
       peer = wire::parse_control(h.type, payload.data(), payload.size());
       if (peer.type == wire::FrameType::kRefuse) {
@@ -674,20 +759,79 @@ int Engine::connect_impl(const std::string& key, int timeout_ms) {
       }
       if (peer.type != wire::FrameType::kAccept)
         throw Error("expected an Accept frame, got type " + std::to_string(int(peer.type)));
-      if (peer.transport != transport_ || (ep && !peer.hello))
-        throw Error(std::string("peer answered with transport ") + wire::transport_name(peer.transport) +
-                    ", we asked for " + wire::transport_name(transport_));
-      if (ep) ep->connect(*peer.hello);
+      if (!(offers & wire::transport_bit(peer.transport)))
+        throw Error(std::string("peer chose transport ") + wire::transport_name(peer.transport) + ", we offered " +
+                    offers_string(offers));
+      link->transport = peer.transport;
+      if (peer.transport == wire::Transport::kRdma) {
+        if (!ep || !peer.hello) throw Error("peer chose rdma without queue pair information");
+        ep->connect(*peer.hello);
+        link->ep = ep;
+      } else if (peer.transport == wire::Transport::kShm) {
+        std::string why = peer.boot_id != boot_id_ ? "the peer runs on another host (boot ids differ)"
+                                                   : transport::shm_probe(pid_t(peer.pid), peer.probe_addr, peer.probe_value);
+        if (!why.empty()) {
+          if (shm_refusal && (offers & wire::transport_bit(wire::Transport::kTcp))) {
+            *shm_refusal = why;
+            return kRetryWithoutShm;
+          }
+          throw Error("the same-host transport was chosen but is not usable from here: " + why);
+        }
+      }
+      make_path(*link, peer);
       oob::send_all(s, wire::encode_ready(), deadline);
     } catch (const Error& e) {
       if (!ready()) return fail(kFailed, "connect to " + key + ": engine finalized during the handshake");
       return fail(e.err() == ETIMEDOUT ? kTimeout : kFailed, "connect to " + key + ": handshake: " + e.what());
     }
   }
-  if (!add_link(key, std::move(ep), std::move(s), true, peer, nullptr))
+  try {
+    auto [h, payload] = oob::recv_frame(s, deadline);  // the server holds the link now
+    if (h.type != wire::FrameType::kReady) throw Error("expected the server's READY, got frame type " + std::to_string(int(h.type)));
+  } catch (const Error& e) {
+    link->path->close();
+    return fail(e.err() == ETIMEDOUT ? kTimeout : kFailed, "connect to " + key + ": final handshake step: " + e.what());
+  }
+  // TCP: two data connections, now that the server has published the link. Direction 0: we request,
+  // the peer serves; 1: the other way round.
+  if (link->tcp) {
+    try {
+      for (uint32_t dir = 0; dir < 2; ++dir) {
+        oob::Socket d = oob::connect_tcp(host, uint16_t(port), std::max(left_until(deadline), milliseconds(1)));
+        wire::Control a;
+        a.type = wire::FrameType::kAttach;
+        a.instance = instance_;
+        a.name = name_;
+        a.direction = dir;
+        oob::send_all(d, wire::encode_control(a), deadline);
+        link->tcp->attach(dir == 1, std::move(d));
+      }
+    } catch (const Error& e) {
+      link->path->close();
+      return fail(e.err() == ETIMEDOUT ? kTimeout : kFailed, "connect to " + key + ": tcp data connection: " + e.what());
+    }
+  }
+  if (!add_link(link, std::move(s), peer, nullptr)) {
+    link->path->close();
     return fail(ready() ? kAlreadyConnected : kFailed,
                 "connect to " + key + ": a link appeared meanwhile, or the engine is finalizing");
+  }
   return ok();
+}
+
+void Engine::serve_attach(oob::Socket s, const wire::Control& c) {
+  auto key = canonical(c.name);
+  auto until = Clock::now() + milliseconds(opts_.handshake_timeout_ms);
+  while (key && Clock::now() < until && ready()) {
+    // The peer attaches right after its READY: our link may be a moment from being published.
+    if (auto link = find_link(*key); link && link->peer_instance == c.instance) {
+      if (!link->tcp) break;
+      link->tcp->attach(c.direction == 0, std::move(s));  // its request socket is the one we serve
+      return;
+    }
+    std::this_thread::sleep_for(milliseconds(2));
+  }
+  log::warn("engine " + name_ + ": a tcp data connection for \"" + c.name + "\" matches no link; dropped");
 }
 
 void Engine::serve_incoming(oob::Socket s) {
@@ -708,6 +852,7 @@ void Engine::serve_incoming(oob::Socket s) {
   try {
     auto [h, payload] = oob::recv_frame(s, deadline);
     c = wire::parse_control(h.type, payload.data(), payload.size());
+    if (c.type == wire::FrameType::kAttach) return serve_attach(std::move(s), c);
     if (c.type != wire::FrameType::kConnect) throw Error("expected a Connect frame, got type " + std::to_string(int(h.type)));
   } catch (const std::exception& e) {
     return refuse(kFailed, std::string("bad handshake: ") + e.what());
@@ -715,9 +860,28 @@ void Engine::serve_incoming(oob::Socket s) {
   int peer_port = -1;
   auto key = canonical(c.name, &peer_port);
   if (!key) return refuse(kParamInvalid, "peer name \"" + c.name + "\" is not an engine address");
-  if (c.transport != transport_ || transport_ == wire::Transport::kNone || !c.hello)
-    return refuse(kUnsupported, std::string("no common transport: peer offers ") + wire::transport_name(c.transport) +
-                                    ", " + name_ + " has " + wire::transport_name(transport_));
+
+  // Transport: rdma when both ends have a device, else same-host when both are on this host and
+  // cross-memory attach works, else TCP (a warning when that is the auto choice).
+  const uint32_t common = c.offers & offers_;
+  auto has = [&](wire::Transport t) { return (common & wire::transport_bit(t)) != 0; };
+  wire::Transport chosen = wire::Transport::kNone;
+  std::string shm_why;
+  if (has(wire::Transport::kRdma) && c.hello && pd_) {
+    chosen = wire::Transport::kRdma;
+  } else {
+    if (has(wire::Transport::kShm)) {
+      shm_why = c.boot_id != boot_id_ ? "the peer runs on another host (boot ids differ)"
+                                      : transport::shm_probe(pid_t(c.pid), c.probe_addr, c.probe_value);
+      if (shm_why.empty()) chosen = wire::Transport::kShm;
+    }
+    if (chosen == wire::Transport::kNone && has(wire::Transport::kTcp)) chosen = wire::Transport::kTcp;
+  }
+  if (chosen == wire::Transport::kNone)
+    return refuse(kUnsupported, "no common transport: peer offers " + offers_string(c.offers) + ", " + name_ +
+                                    " offers " + offers_string(offers_) + (shm_why.empty() ? "" : "; shm: " + shm_why));
+  if (chosen == wire::Transport::kTcp && !shm_why.empty())
+    log::warn("engine " + name_ + ": same-host transport to " + *key + " not usable (" + shm_why + "); using tcp");
   {
     std::lock_guard<std::mutex> g(mu_);
     if (state_ != State::kReady) return refuse(kFailed, name_ + " is finalizing");
@@ -737,13 +901,29 @@ void Engine::serve_incoming(oob::Socket s) {
   }
   std::shared_ptr<Link> old;
   try {
-    auto ep = make_endpoint();
-    ep->connect(*c.hello);  // RTR/RTS before we answer: the client may write as soon as it has our reply
-    oob::send_all(s, wire::encode_control(hello_frame(wire::FrameType::kAccept, ep)), deadline);
+    auto link = std::make_shared<Link>();
+    link->key = *key;
+    link->transport = chosen;
+    if (chosen == wire::Transport::kRdma) {
+      link->ep = make_endpoint();
+      link->ep->connect(*c.hello);  // RTR/RTS before we answer: the client may write as soon as it has our reply
+    }
+    make_path(*link, c);
+    wire::Control a = hello_frame(wire::FrameType::kAccept, link->ep, offers_);
+    a.transport = chosen;
+    oob::send_all(s, wire::encode_control(a), deadline);
     auto [h, payload] = oob::recv_frame(s, deadline);
     if (h.type != wire::FrameType::kReady) throw Error("expected READY, got frame type " + std::to_string(int(h.type)));
-    if (!add_link(*key, std::move(ep), std::move(s), false, c, &old))
+    // Published, then confirmed with a READY of ours, so that the client's connect() returns only
+    // once both ends hold the link. send_mu keeps any other frame for this link behind it.
+    std::unique_lock<std::mutex> first(link->send_mu);
+    if (!add_link(link, std::move(s), c, &old)) {
+      first.unlock();
+      link->path->close();
       log::info("engine " + name_ + ": dropping the link from " + *key + " (finalizing)");
+    } else {
+      oob::send_all(link->ctrl, wire::encode_ready(), deadline);
+    }
   } catch (const std::exception& e) {
     log::warn("engine " + name_ + ": handshake with " + *key + " failed: " + e.what());
   }
@@ -890,7 +1070,7 @@ int Engine::prepare(const std::shared_ptr<Link>& link, TransferOp op, const std:
   if (descs.empty()) return fail(kParamInvalid, "transfer: empty descriptor list");
   if (op != TransferOp::kRead && op != TransferOp::kWrite)
     return fail(kParamInvalid, "transfer: unknown op " + std::to_string(int(op)));
-  if (!link->ep) return fail(kFailed, "transfer: link to " + link->key + " has no data transport");
+  if (!link->path) return fail(kFailed, "transfer: link to " + link->key + " has no data transport");
   out->resize(descs.size());
   {
     std::lock_guard<std::mutex> g(reg_mu_);
@@ -957,7 +1137,7 @@ bool Engine::abort_link(const std::shared_ptr<Link>& link, const std::string& wh
   // 1. Our QP to ERR: nothing more leaves this side. 2. The peer moves its QP to ERR too, so packets
   // still in the network are dropped on arrival, and confirms. Only then may the caller say "no
   // write of this call lands later".
-  if (link->ep) link->ep->close();
+  if (link->path) link->path->close();
   bool confirmed = false;
   uint64_t seq = link->expect();
   try {
@@ -990,11 +1170,11 @@ int Engine::transfer_sync(const std::string& remote, TransferOp op, const std::v
     std::vector<rdma::Desc> rd;
     rc = prepare(link, op, descs, deadline, &rd);
     if (rc != kSuccess) return rc;
-    rdma::Op rop = op == TransferOp::kWrite ? rdma::Op::kWrite : rdma::Op::kRead;
+    transport::Op top = op == TransferOp::kWrite ? transport::Op::kWrite : transport::Op::kRead;
     rdma::RequestResult r;
     try {
-      uint64_t id = link->ep->submit(rop, rd, 0, std::max(left_until(deadline), milliseconds(1)));
-      r = link->ep->wait(id, left_until(deadline));
+      uint64_t id = link->path->submit(top, rd, std::max(left_until(deadline), milliseconds(1)));
+      r = link->path->wait(id, left_until(deadline));
     } catch (const Error& e) {
       remove_link(link, std::string("transfer failed: ") + e.what());
       return fail(kFailed, "transfer_sync to " + *key + ": " + e.what());
@@ -1030,7 +1210,8 @@ std::pair<int, uint64_t> Engine::transfer_async(const std::string& remote, Trans
     if (rc != kSuccess) return {rc, 0};
     uint64_t ep_req;
     try {
-      ep_req = link->ep->submit(op == TransferOp::kWrite ? rdma::Op::kWrite : rdma::Op::kRead, rd);
+      ep_req = link->path->submit(op == TransferOp::kWrite ? transport::Op::kWrite : transport::Op::kRead, rd,
+                                  milliseconds(-1));
     } catch (const Error& e) {
       remove_link(link, std::string("transfer failed: ") + e.what());
       return {fail(kFailed, "transfer_async to " + *key + ": " + e.what()), 0};
@@ -1055,7 +1236,7 @@ std::pair<int, int> Engine::transfer_status(uint64_t req) {
       return {fail(kParamInvalid, "get_transfer_status(req=" + std::to_string(req) +
                                       "): unknown request (never issued, or already reported complete/failed)"),
               int(TransferStatus::kFailed)};
-    rdma::RequestResult res = it->second.link->ep->status(it->second.ep_req);
+    rdma::RequestResult res = it->second.link->path->status(it->second.ep_req);
     if (res.status != TransferStatus::kWaiting) {
       reqs_.erase(it);
       if (res.status == TransferStatus::kFailed) log::warn("transfer request " + std::to_string(req) + " failed: " + res.error);
@@ -1072,7 +1253,7 @@ std::pair<int, std::vector<TransferResult>> Engine::all_transfer_status(uint64_t
     if (state_ != State::kReady) return {fail(kFailed, "get_all_transfer_status: engine is not initialized"), {}};
     std::vector<TransferResult> out;
     for (auto it = reqs_.begin(); it != reqs_.end() && out.size() < max_count;) {
-      rdma::RequestResult res = it->second.link->ep->status(it->second.ep_req);
+      rdma::RequestResult res = it->second.link->path->status(it->second.ep_req);
       uint64_t id = it->first, user_data = it->second.user_data;
       if (res.status != TransferStatus::kWaiting) {
         if (res.status == TransferStatus::kFailed) log::warn("transfer request " + std::to_string(id) + " failed: " + res.error);
@@ -1167,6 +1348,7 @@ void Engine::handle_frame(const std::shared_ptr<Link>& link, const wire::Control
     case wire::FrameType::kAbortAck: link->deliver(c); break;
     case wire::FrameType::kRegions:
       link->set_regions(c.regions, c.version);
+      if (link->shm) link->shm->set_extents(to_shm(c.extents));
       if (c.seq) link->deliver(c);
       break;
     case wire::FrameType::kRegionsReq: {
@@ -1174,11 +1356,12 @@ void Engine::handle_frame(const std::shared_ptr<Link>& link, const wire::Control
       r.type = wire::FrameType::kRegions;
       r.seq = c.seq;
       r.regions = local_regions(&r.version);
+      r.extents = local_extents();
       link->send(r, until);
       break;
     }
     case wire::FrameType::kAbort: {
-      if (link->ep) link->ep->close();  // our QP to ERR before we confirm: nothing more lands here
+      if (link->path) link->path->close();  // our side stopped before we confirm: nothing more lands here
       wire::Control ack;
       ack.type = wire::FrameType::kAbortAck;
       ack.seq = c.seq;

@@ -18,12 +18,14 @@
 #include <memory>
 #include <mutex>
 #include <set>
+#include <shared_mutex>
 #include <string>
 #include <thread>
 #include <utility>
 #include <vector>
 
 #include "engine/region_table.h"
+#include "transport/data_path.h"
 #include "transport/oob.h"
 #include "transport/rdma_endpoint.h"
 #include "verbs/device.h"
@@ -60,7 +62,7 @@ constexpr size_t kMaxUnreadNotifies = 4096;  // per peer; beyond that the sender
 constexpr size_t kMaxNotifyBytes = 4096;     // name / message: 1024 characters of UTF-8
 
 struct Options {
-  std::string transport = "auto";  // auto | rdma | shm | tcp
+  std::string transport = "auto";  // auto (rdma > shm > tcp, as both ends allow) | rdma | shm | tcp
   std::string device;              // RDMA device ("" -> $HIXL_DEVICE -> first ACTIVE)
   int gid_index = -1;              // -1 -> $HIXL_GID_INDEX -> RoCEv2 IPv4-mapped
   int traffic_class = -1;          // GRH traffic class (-1 = default 0)
@@ -88,7 +90,7 @@ struct Notify {
 
 struct LinkInfo {
   std::string remote;
-  std::string transport;  // "rdma"
+  std::string transport;  // "rdma", "shm" or "tcp"
   bool initiator = false;  // we called connect()
   std::string device;
   int gid_index = 0;
@@ -129,7 +131,7 @@ class Engine {
 
   // Beyond CANN.
   std::string local_engine() const;     // canonical "ip:port" (the bound port), or "ip" (client only)
-  std::string data_transport() const;   // "rdma" or "none" (no usable device; issue 4 adds shm/tcp)
+  std::string data_transport() const;   // the transports this engine offers, e.g. "rdma,shm,tcp"
   std::pair<int, LinkInfo> link_info(const std::string& remote);
   std::vector<std::string> peers();
   std::string last_error() const;       // the reason behind the last non-SUCCESS status of this thread
@@ -151,11 +153,17 @@ class Engine {
   bool abort_link(const std::shared_ptr<Link>& link, const std::string& why);
 
   std::shared_ptr<rdma::Endpoint> make_endpoint() const;
-  wire::Control hello_frame(wire::FrameType type, const std::shared_ptr<rdma::Endpoint>& ep) const;
+  wire::Control hello_frame(wire::FrameType type, const std::shared_ptr<rdma::Endpoint>& ep, uint32_t offers) const;
+  // Builds the data path of a link whose transport was agreed; throws on failure.
+  void make_path(Link& link, const wire::Control& peer);
+  int connect_once(const std::string& key, int timeout_ms, uint32_t offers, std::string* shm_refusal);
+  void serve_attach(oob::Socket s, const wire::Control& c);
+  std::vector<wire::Extent> local_extents() const;
   std::vector<wire::Region> local_regions(uint64_t* version = nullptr) const;
   std::shared_ptr<Link> find_link(const std::string& key);
-  std::shared_ptr<Link> add_link(const std::string& key, std::shared_ptr<rdma::Endpoint> ep, oob::Socket s,
-                                 bool initiator, const wire::Control& peer, std::shared_ptr<Link>* superseded);
+  // Publishes a link whose path is built; false when finalizing or (without superseded) one exists.
+  bool add_link(const std::shared_ptr<Link>& link, oob::Socket s, const wire::Control& peer,
+                std::shared_ptr<Link>* superseded);
   void remove_link(const std::shared_ptr<Link>& link, const std::string& why);
   void push_regions();
 
@@ -172,7 +180,10 @@ class Engine {
   std::string name_;
   std::string host_;
   bool listening_ = false;
-  wire::Transport transport_ = wire::Transport::kNone;
+  uint32_t offers_ = 0;  // wire::transport_bit() of each transport this engine may use
+  bool auto_transport_ = true;
+  const uint64_t probe_cookie_;  // peers on this host read it with process_vm_readv
+  std::string boot_id_;
   std::shared_ptr<verbs::ProtectionDomain> pd_;  // shared with every link's endpoint
 
   const uint64_t instance_;  // random: tells this engine object apart from a restarted one
@@ -182,6 +193,8 @@ class Engine {
     uint64_t addr = 0, len = 0;
     MemType type = MemType::kHost;
     std::shared_ptr<verbs::MemoryRegion> mr;  // null without an RDMA device
+    int fd = -1;              // memfd behind it (hixl.acl memory): same-host peers map it
+    uint64_t fd_offset = 0;
   };
   std::map<uint64_t, LocalRegion> regions_;
   std::map<std::pair<uint64_t, uint64_t>, uint64_t> region_by_range_;
@@ -190,6 +203,9 @@ class Engine {
   uint64_t reg_version_ = 1;   // bumped on every (de)registration; peers keep the newest list
   bool reg_closed_ = false;    // finalize() cleared the registry: no more insertions
   std::mutex push_mu_;         // one region push at a time, so each link sees versions in order
+  // Held shared while a TCP peer's request touches our memory, exclusively by deregister_mem(): once
+  // that returns, no TCP write lands in the region any more.
+  std::shared_mutex data_mu_;
 
   std::map<std::string, std::shared_ptr<Link>> links_;  // by canonical peer name
   std::set<std::string> connecting_;                    // our outgoing handshakes

@@ -74,12 +74,16 @@ std::vector<wire::Control> samples() {
   std::vector<wire::Control> v;
   wire::Control c;
   c.type = wire::FrameType::kConnect; c.transport = wire::Transport::kRdma; c.name = "10.0.0.1:26000";
-  c.instance = 0x0123456789abcdefull; c.version = 7; c.hello = hello_with(3); v.push_back(c);
+  c.instance = 0x0123456789abcdefull; c.version = 7; c.offers = 0xe; c.boot_id = "d47c590a-d893";
+  c.pid = 4242; c.probe_addr = 0x7fff0000; c.probe_value = 99; c.extents = {{0x1000, 4096, 8192, 17}};
+  c.regions = hello_with(2).regions; c.hello = hello_with(3); v.push_back(c);
   c = {}; c.type = wire::FrameType::kAccept; c.transport = wire::Transport::kNone; c.name = "[::1]:5"; v.push_back(c);
   c = {}; c.type = wire::FrameType::kRefuse; c.status = 103903; c.text = "already connected"; v.push_back(c);
   c = {}; c.type = wire::FrameType::kNotify; c.seq = 9; c.name = "layer"; c.text = std::string(1024, 'x'); v.push_back(c);
   c = {}; c.type = wire::FrameType::kNotifyAck; c.seq = 9; c.status = 203900; v.push_back(c);
-  c = {}; c.type = wire::FrameType::kRegions; c.seq = 0; c.version = 42; c.regions = hello_with(4).regions; v.push_back(c);
+  c = {}; c.type = wire::FrameType::kRegions; c.seq = 0; c.version = 42; c.regions = hello_with(4).regions;
+  c.extents = {{0x2000, 4096, 0, 5}, {0x9000, 100, 4096, 6}}; v.push_back(c);
+  c = {}; c.type = wire::FrameType::kAttach; c.instance = 5; c.name = "1.2.3.4:5"; c.direction = 1; v.push_back(c);
   c = {}; c.type = wire::FrameType::kRegionsReq; c.seq = 3; v.push_back(c);
   c = {}; c.type = wire::FrameType::kAbort; c.seq = 4; c.text = "timeout"; v.push_back(c);
   c = {}; c.type = wire::FrameType::kAbortAck; c.seq = 4; v.push_back(c);
@@ -102,6 +106,13 @@ void control_frames() {
     CHECK_EQ(d.hello.has_value(), c.hello.has_value());
     if (c.hello) CHECK(d.hello->regions == c.hello->regions && d.hello->qpn == c.hello->qpn);
     CHECK(d.regions == c.regions);
+    CHECK(d.extents == c.extents);
+    CHECK_EQ(d.offers, c.offers);
+    CHECK_EQ(d.boot_id, c.boot_id);
+    CHECK_EQ(d.pid, c.pid);
+    CHECK_EQ(d.probe_addr, c.probe_addr);
+    CHECK_EQ(d.probe_value, c.probe_value);
+    CHECK_EQ(d.direction, c.direction);
     // Every truncation of the payload is refused with an error, never a crash or a short read.
     const size_t payload = f.size() - wire::kHeaderSize;
     for (size_t cut = 0; cut < payload; ++cut) {
@@ -138,6 +149,12 @@ void control_frames() {
     auto f = wire::encode_control(samples()[0]);
     f[wire::kHeaderSize] = 9;
     CHECK_THROWS_WITH(wire::parse_control_frame(f.data(), f.size()), "unknown transport 9");
+    wire::Control att;
+    att.type = wire::FrameType::kAttach;
+    att.name = "1.2.3.4:5";
+    auto a = wire::encode_control(att);
+    a[a.size() - 4] = 2;
+    CHECK_THROWS_WITH(wire::parse_control_frame(a.data(), a.size()), "attach direction 2");
     wire::Control h;
     h.type = wire::FrameType::kHello;
     CHECK_THROWS_WITH(wire::encode_control(h), "not a control frame");

@@ -26,6 +26,33 @@ std::string get_str(Reader& r, size_t max, const char* field) {
   return s;
 }
 
+void put_extents(Writer& w, const std::vector<Extent>& v) {
+  w.u32(uint32_t(v.size()));
+  for (const auto& e : v) {
+    w.u64(e.addr);
+    w.u64(e.len);
+    w.u64(e.offset);
+    w.u32(e.fd);
+    w.u32(0);
+  }
+}
+
+std::vector<Extent> get_extents(Reader& r) {
+  uint32_t n = r.u32("extent_count");
+  if (n > kMaxExtents || uint64_t(n) * 32 > r.remaining())
+    throw Error("wire: control: extent_count " + std::to_string(n) + " does not fit the frame");
+  std::vector<Extent> v(n);
+  for (auto& e : v) {
+    e.addr = r.u64("extent.addr");
+    e.len = r.u64("extent.len");
+    e.offset = r.u64("extent.offset");
+    e.fd = r.u32("extent.fd");
+    if (r.u32("extent.reserved") != 0) throw Error("wire: control: extent reserved field is not zero");
+    if (e.len == 0 || e.addr + e.len < e.addr) throw Error("wire: control: empty or wrapping extent");
+  }
+  return v;
+}
+
 bool is_control(FrameType t) { return uint16_t(t) >= uint16_t(FrameType::kConnect) && t <= kLastFrameType; }
 
 }  // namespace
@@ -34,6 +61,8 @@ const char* transport_name(Transport t) {
   switch (t) {
     case Transport::kNone: return "none";
     case Transport::kRdma: return "rdma";
+    case Transport::kShm: return "shm";
+    case Transport::kTcp: return "tcp";
   }
   return "unknown";
 }
@@ -49,23 +78,36 @@ std::vector<uint8_t> encode_control(const Control& c) {
     case FrameType::kConnect:
     case FrameType::kAccept: {
       w.u32(uint32_t(c.transport));
+      w.u32(c.offers);
       w.u64(c.instance);
       w.u64(c.version);
       put_str(w, c.name);
+      put_str(w, c.boot_id);
+      w.u32(c.pid);
+      w.u64(c.probe_addr);
+      w.u64(c.probe_value);
       std::vector<uint8_t> hello;
       if (c.hello) hello = encode_hello_payload(*c.hello);
       w.u32(uint32_t(hello.size()));
       w.bytes(hello.data(), hello.size());
+      put_extents(w, c.extents);
+      detail::write_regions(w, c.regions);
       break;
     }
     case FrameType::kRefuse: w.u32(c.status); put_str(w, c.text); break;
     case FrameType::kNotify: w.u64(c.seq); put_str(w, c.name); put_str(w, c.text); break;
     case FrameType::kNotifyAck: w.u64(c.seq); w.u32(c.status); break;
-    case FrameType::kRegions: w.u64(c.seq); w.u64(c.version); detail::write_regions(w, c.regions); break;
+    case FrameType::kRegions:
+      w.u64(c.seq);
+      w.u64(c.version);
+      detail::write_regions(w, c.regions);
+      put_extents(w, c.extents);
+      break;
     case FrameType::kRegionsReq:
     case FrameType::kAbortAck: w.u64(c.seq); break;
     case FrameType::kAbort: w.u64(c.seq); put_str(w, c.text); break;
     case FrameType::kBye: put_str(w, c.text); break;
+    case FrameType::kAttach: w.u64(c.instance); put_str(w, c.name); w.u32(c.direction); break;
     default: break;
   }
   return encode_frame(c.type, w.buf());
@@ -80,11 +122,16 @@ Control parse_control(FrameType type, const uint8_t* payload, size_t len) {
     case FrameType::kConnect:
     case FrameType::kAccept: {
       uint32_t t = r.u32("transport");
-      if (t > uint32_t(Transport::kRdma)) throw Error("wire: control: unknown transport " + std::to_string(t));
+      if (t > uint32_t(kLastTransport)) throw Error("wire: control: unknown transport " + std::to_string(t));
       c.transport = Transport(t);
+      c.offers = r.u32("offers");
       c.instance = r.u64("instance");
       c.version = r.u64("version");
       c.name = get_str(r, kMaxName, "name");
+      c.boot_id = get_str(r, 64, "boot_id");
+      c.pid = r.u32("pid");
+      c.probe_addr = r.u64("probe_addr");
+      c.probe_value = r.u64("probe_value");
       uint32_t n = r.u32("hello_len");
       r.need(n, "hello");
       if (n) {
@@ -92,6 +139,8 @@ Control parse_control(FrameType type, const uint8_t* payload, size_t len) {
         r.bytes(h.data(), n, "hello");
         c.hello = parse_hello(h.data(), n);
       }
+      c.extents = get_extents(r);
+      c.regions = detail::read_regions(r, "connect regions");
       break;
     }
     case FrameType::kRefuse: c.status = r.u32("status"); c.text = get_str(r, kMaxText, "reason"); break;
@@ -105,11 +154,18 @@ Control parse_control(FrameType type, const uint8_t* payload, size_t len) {
       c.seq = r.u64("seq");
       c.version = r.u64("version");
       c.regions = detail::read_regions(r, "regions");
+      c.extents = get_extents(r);
       break;
     case FrameType::kRegionsReq:
     case FrameType::kAbortAck: c.seq = r.u64("seq"); break;
     case FrameType::kAbort: c.seq = r.u64("seq"); c.text = get_str(r, kMaxText, "reason"); break;
     case FrameType::kBye: c.text = get_str(r, kMaxText, "reason"); break;
+    case FrameType::kAttach:
+      c.instance = r.u64("instance");
+      c.name = get_str(r, kMaxName, "name");
+      c.direction = r.u32("direction");
+      if (c.direction > 1) throw Error("wire: control: attach direction " + std::to_string(c.direction));
+      break;
     default: break;
   }
   if (r.remaining() != 0)

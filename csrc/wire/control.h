@@ -3,16 +3,22 @@
 // Data never travels here on the RDMA transport.
 //
 // Every frame = wire header (wire.h) + one payload below (little endian; str = u32 len + bytes):
-//   Connect    u32 transport, u64 instance, u64 version, str name, u32 hello_len, hello payload
-//              (wire.h; hello_len 0 = none; version = the sender's region registry version)
-//   Accept     same as Connect (the server's side)
+//   Connect    u32 transport, u32 offers, u64 instance, u64 version, str name, str boot_id, u32 pid,
+//              u64 probe_addr, u64 probe_value, u32 hello_len, hello payload (wire.h; 0 = none), extents,
+//              regions (the sender's registered regions, whatever the transport)
+//              (transport: what the sender wants / the server chose; offers: bit 1<<t for each it can use;
+//              version: the sender's region registry version; probe: a cookie the peer may read with
+//              process_vm_readv to prove same-host access)
+//   Accept     same as Connect (the server's side; transport = the one chosen)
 //   Refuse     u32 status (hixl status code), str reason
 //   Notify     u64 seq, str name, str message
 //   NotifyAck  u64 seq, u32 status
-//   Regions    u64 seq (0 = unsolicited push), u64 version, regions (wire.h layout)
+//   Regions    u64 seq (0 = unsolicited push), u64 version, regions (wire.h layout), extents
+//   extents    u32 count, count * {u64 addr, u64 len, u64 offset, u32 fd, u32 0}: memfd-backed regions
 //   RegionsReq u64 seq
 //   Abort      u64 seq, str reason      AbortAck  u64 seq
 //   Bye        str reason
+//   Attach     u64 instance, str name, u32 direction (TCP transport: a data connection of that link)
 // A payload must be consumed exactly; strings are bounded (kMaxName / kMaxText) before copying.
 #pragma once
 
@@ -25,8 +31,17 @@
 
 namespace hixl::wire {
 
-enum class Transport : uint32_t { kNone = 0, kRdma = 1 };
+enum class Transport : uint32_t { kNone = 0, kRdma = 1, kShm = 2, kTcp = 3 };
+constexpr Transport kLastTransport = Transport::kTcp;
 const char* transport_name(Transport t);
+inline uint32_t transport_bit(Transport t) { return 1u << uint32_t(t); }
+
+struct Extent {  // a region backed by a memfd the peer may map
+  uint64_t addr = 0, len = 0, offset = 0;
+  uint32_t fd = 0;
+  bool operator==(const Extent& o) const { return addr == o.addr && len == o.len && offset == o.offset && fd == o.fd; }
+};
+constexpr size_t kMaxExtents = 1u << 16;
 
 constexpr size_t kMaxName = 4096;       // engine names, notify names (1024 chars of UTF-8 fit)
 constexpr size_t kMaxText = 64 * 1024;  // notify messages, reasons
@@ -36,12 +51,18 @@ struct Control {
   uint64_t seq = 0;
   uint32_t status = 0;                  // Refuse, NotifyAck
   Transport transport = Transport::kNone;  // Connect, Accept
-  uint64_t instance = 0;                // Connect/Accept: random per engine object (tells restarts apart)
+  uint32_t offers = 0;                  // Connect, Accept: transport bits the sender can use
+  std::string boot_id;                  // Connect, Accept: same value = same host
+  uint32_t pid = 0;                     // Connect, Accept
+  uint64_t probe_addr = 0, probe_value = 0;  // Connect, Accept
+  uint32_t direction = 0;               // Attach
+  std::vector<Extent> extents;          // Connect, Accept, Regions
+  uint64_t instance = 0;                // Connect/Accept/Attach: random per engine object
   uint64_t version = 0;                 // Connect/Accept/Regions: region registry version (newer wins)
   std::string name;                     // Connect/Accept: engine name; Notify: notify name
   std::string text;                     // Notify: message; Refuse/Abort/Bye: reason
   std::optional<Hello> hello;           // Connect/Accept (RDMA queue pair + regions)
-  std::vector<Region> regions;          // Regions
+  std::vector<Region> regions;          // Connect, Accept, Regions
 };
 
 std::vector<uint8_t> encode_control(const Control& c);                        // whole frame

@@ -9,9 +9,9 @@ which releases the GIL for every call.
 Beyond CANN:
 
 * the transport comes from option ``HixlTransport`` or env ``HIXL_TRANSPORT``
-  (``auto``: RDMA when an active device exists; ``shm``/``tcp`` are not in this build yet
-  and give ``UNSUPPORTED``); ``HixlDevice`` / ``HIXL_DEVICE`` and ``HixlGidIndex`` /
-  ``HIXL_GID_INDEX`` pick the RDMA device and GID;
+  (``auto``: RDMA when both ends have an active device, else ``shm`` when both are on this
+  host and cross-memory attach works, else ``tcp`` with a warning); ``HixlDevice`` /
+  ``HIXL_DEVICE`` and ``HixlGidIndex`` / ``HIXL_GID_INDEX`` pick the RDMA device and GID;
 * :meth:`Hixl.get_transport` and :meth:`Hixl.get_link_info` tell what each link runs on;
 * regions registered after a peer connected become visible to it on its next transfer.
 """
@@ -72,6 +72,7 @@ class Hixl:
         self._engine = _core.Engine()
         self._finalized = False
         self._logged_keys: set = set()
+        self._good_remotes: set = set()
         self._tls = threading.local()  # last_error() is per thread, like the C++ engine's
 
     # ------------------------------------------------------------------ helpers
@@ -93,8 +94,15 @@ class Hixl:
         return _int(v, 1, _INT32_MAX)
 
     def _remote(self, remote: Any) -> Optional[str]:
+        # Parsing an address costs microseconds; a transfer loop names the same few peers again and again.
+        if isinstance(remote, str) and remote in self._good_remotes:
+            return remote
         rc, _, _ = parse_engine_address(remote)
-        return remote if rc == SUCCESS else None
+        if rc != SUCCESS:
+            return None
+        if len(self._good_remotes) < 4096:
+            self._good_remotes.add(remote)
+        return remote
 
     def _descs(self, op_descs: Any) -> Optional[List[Tuple[int, int, int]]]:
         if not isinstance(op_descs, (list, tuple)) or not op_descs:

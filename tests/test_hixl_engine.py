@@ -1,11 +1,14 @@
-"""Tier 2 (`rdma`): two hixl.Hixl engines moving real bytes over RDMA (rxe0 inside the CI VM).
+"""Two hixl.Hixl engines moving real bytes: one suite, three transports, identical expectations.
 
-Both engines live in this process (their control channels use loopback TCP, their data goes
-through rxe). Every transfer is checked byte for byte, including the bytes around it.
+Every test runs once per transport: `rdma` (marked `rdma`: rxe0 inside the CI VM), `shm` and
+`tcp` (on the host, no device needed). The engines live in this process unless a test needs a
+peer process; their control channels use loopback TCP. Every transfer is checked byte for byte,
+including the bytes around it.
 """
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -21,10 +24,19 @@ from hixl import (ALREADY_CONNECTED, FAILED, NOT_CONNECTED, PARAM_INVALID, READ,
                   TIMEOUT, WRITE, AsyncConnectStatus, GetTransferStatusArgs, MemDesc, MemType, NotifyDesc,
                   TransferArgs, TransferOpDesc, TransferStatus)
 
-pytestmark = pytest.mark.rdma
+TRANSPORTS = [pytest.param("rdma", marks=pytest.mark.rdma), "shm", "tcp"]
+_transport = "rdma"
+
+
+@pytest.fixture(params=TRANSPORTS, autouse=True)
+def transport(request):
+    """Every test of this module runs once per transport; _engine() picks it up."""
+    global _transport
+    _transport = request.param
+    yield request.param
 
 MiB = 1 << 20
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _addr(a: np.ndarray) -> int:
@@ -32,8 +44,10 @@ def _addr(a: np.ndarray) -> int:
 
 
 def _engine(options=None, listen=True):
+    opts = {"HixlTransport": _transport}
+    opts.update(options or {})
     e = hixl.Hixl()
-    assert e.initialize("127.0.0.1:0" if listen else "127.0.0.1", options) == SUCCESS, e.last_error()
+    assert e.initialize("127.0.0.1:0" if listen else "127.0.0.1", opts) == SUCCESS, e.last_error()
     return e
 
 
@@ -110,10 +124,12 @@ def test_either_side_transfers_once_connected(pair):
     assert (p.bbuf[:4096] == 0x5A).all()
     assert p.a.connect(p.b.local_engine, 1000) == ALREADY_CONNECTED
     assert p.b.connect(p.a.local_engine, 1000) == ALREADY_CONNECTED
-    assert p.a.get_transport(p.b.local_engine) == (SUCCESS, "rdma")
+    assert p.a.get_transport(p.b.local_engine) == (SUCCESS, _transport)
     rc, info = p.b.get_link_info(p.a.local_engine)
-    assert rc == SUCCESS and info["transport"] == "rdma" and info["initiator"] and info["path_mtu"] >= 256
+    assert rc == SUCCESS and info["transport"] == _transport and info["initiator"]
     assert info["remote_regions"] == 1
+    if _transport == "rdma":
+        assert info["path_mtu"] >= 256 and info["qpn"] and info["remote_qpn"]
 
 
 def test_many_descriptors_async_with_user_data(pair):
@@ -400,7 +416,9 @@ def test_device_memory_from_the_acl_shim_and_options():
         assert b.connect(a.local_engine, 10000) == SUCCESS, b.last_error()
         for e, peer in ((b, a), (a, b)):
             rc, info = e.get_link_info(peer.local_engine)
-            assert rc == SUCCESS and (info["traffic_class"], info["service_level"]) == (32, 1)
+            assert rc == SUCCESS and info["transport"] == _transport
+            if _transport == "rdma":
+                assert (info["traffic_class"], info["service_level"]) == (32, 1)
         assert b.transfer_sync(a.local_engine, WRITE, [TransferOpDesc(pb, pa, size)], 30000) == SUCCESS
         host = np.zeros(size, np.uint8)
         assert acl.aclrtMemcpy(_addr(host), size, pa, size, acl.ACL_MEMCPY_DEVICE_TO_HOST) == acl.ACL_SUCCESS
@@ -437,7 +455,7 @@ def test_concurrent_transfers_from_threads(pair):
 
 
 def test_cann_style_example_runs():
-    env = dict(os.environ)
+    env = dict(os.environ, HIXL_TRANSPORT=_transport)
     out = subprocess.run([sys.executable, str(REPO / "examples" / "cann_style.py")], capture_output=True, text=True,
                          timeout=300, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -495,3 +513,42 @@ def test_requests_in_flight_when_the_peer_disconnects_end_failed_not_waiting(pai
     assert all(s in (TransferStatus.COMPLETED, TransferStatus.FAILED) for s in statuses), statuses
     _until(lambda: p.b._engine.peers() == [], what="b drops the link")
     assert p.b.get_all_transfer_status() == (SUCCESS, [])
+
+
+def test_target_killed_mid_transfer_gives_failed_within_the_timeout():
+    size = 64 * MiB
+    peer = subprocess.Popen([sys.executable, str(REPO / "tests" / "engine_peer.py"), _transport, str(size)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    b = _engine()
+    try:
+        info = json.loads(peer.stdout.readline())
+        src = np.ones(size, np.uint8)
+        assert b.register_mem(MemDesc(_addr(src), size))[0] == SUCCESS
+        assert b.connect(info["name"], 20000) == SUCCESS, b.last_error()
+        descs = [TransferOpDesc(_addr(src) + i * 4 * MiB, info["addr"] + i * 4 * MiB, 4 * MiB) for i in range(16)]
+        assert b.transfer_sync(info["name"], WRITE, descs, 60000) == SUCCESS, b.last_error()
+        threading.Timer(0.2, peer.kill).start()
+        codes = []
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 60:
+            rc = b.transfer_sync(info["name"], WRITE, descs, 20000)
+            if rc != SUCCESS:
+                codes.append(rc)
+                if rc == NOT_CONNECTED:
+                    break
+        elapsed = time.monotonic() - t0
+        print("after the kill: %s (%s) in %.2fs" % (codes, b.last_error(), elapsed))
+        assert codes, "transfers kept succeeding to a killed peer"
+        # The transfer in flight when the peer died fails (FAILED); later ones find the link gone.
+        assert codes[0] in (FAILED, NOT_CONNECTED), codes
+        assert FAILED in codes or codes == [NOT_CONNECTED]
+        assert elapsed < 40
+        _until(lambda: b._engine.peers() == [], what="the link to the killed peer goes away")
+        rc, req = b.transfer_async(info["name"], WRITE, descs[:1])
+        assert rc == NOT_CONNECTED and req == 0
+    finally:
+        peer.kill()
+        peer.wait()
+        peer.stdin.close()
+        peer.stdout.close()
+        b.finalize()

@@ -1,0 +1,100 @@
+// One link's data path, whatever carries it: RDMA (an RC queue pair), same-host (cross-memory
+// attach / mapped memfd), or TCP (a progress thread on the target applies the bytes).
+// The engine validates every range before it calls submit(); a path only moves bytes.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "transport/rdma_endpoint.h"
+
+namespace hixl::transport {
+
+using Desc = rdma::Desc;  // local_addr, remote_addr, length (+ lkey/rkey, used by RDMA only)
+using Status = rdma::Status;
+using Result = rdma::RequestResult;
+enum class Op : int { kRead = 0, kWrite = 1 };
+using Clock = std::chrono::steady_clock;
+
+class DataPath {
+ public:
+  virtual ~DataPath() = default;
+  virtual const char* name() const = 0;
+  // Starts a request. timeout < 0: asynchronous, no deadline; otherwise the request must end by then
+  // (the caller waits for it right away). Throws hixl::Error when the path is unusable.
+  virtual uint64_t submit(Op op, const std::vector<Desc>& descs, std::chrono::milliseconds timeout) = 0;
+  // Non-blocking. A terminal status is returned once, then the request is forgotten; unknown -> FAILED.
+  virtual Result status(uint64_t req) = 0;
+  // Up to timeout; WAITING when it passed.
+  virtual Result wait(uint64_t req, std::chrono::milliseconds timeout) = 0;
+  // After close() returns no byte of ours reaches the peer's memory any more, and nothing the peer
+  // sends is applied to ours. Requests in flight end FAILED. Idempotent.
+  virtual void close() = 0;
+};
+
+// RDMA: a thin adapter over rdma::Endpoint (which already has requests, deadlines and close()).
+class RdmaPath final : public DataPath {
+ public:
+  explicit RdmaPath(std::shared_ptr<rdma::Endpoint> ep) : ep_(std::move(ep)) {}
+  const char* name() const override { return "rdma"; }
+  uint64_t submit(Op op, const std::vector<Desc>& d, std::chrono::milliseconds timeout) override {
+    return ep_->submit(op == Op::kWrite ? rdma::Op::kWrite : rdma::Op::kRead, d, 0, timeout);
+  }
+  Result status(uint64_t req) override { return ep_->status(req); }
+  Result wait(uint64_t req, std::chrono::milliseconds timeout) override { return ep_->wait(req, timeout); }
+  void close() override { ep_->close(); }
+
+ private:
+  std::shared_ptr<rdma::Endpoint> ep_;
+};
+
+// Paths whose bytes are moved by a CPU on this side (same-host, TCP): synchronous requests run in the
+// caller's thread; asynchronous ones are queued to one worker thread per link, in order.
+class QueuedPath : public DataPath {
+ public:
+  ~QueuedPath() override;
+  uint64_t submit(Op op, const std::vector<Desc>& descs, std::chrono::milliseconds timeout) override;
+  Result status(uint64_t req) override;
+  Result wait(uint64_t req, std::chrono::milliseconds timeout) override;
+  void close() override;
+
+ protected:
+  // Moves the bytes; returns kCompleted, kFailed (with error) or kTimeout at the deadline (and then
+  // guarantees nothing more of this request lands: it stops before returning). Called with no lock
+  // held, one request at a time (run_mu_).
+  virtual Result execute(Op op, const std::vector<Desc>& descs, Clock::time_point deadline) = 0;
+  // Called once by close() before the worker is joined: unblock execute() (shut sockets down...).
+  virtual void interrupt() {}
+  bool closed() const;
+  // Marks the path closed, fails queued jobs, interrupt()s, joins the worker. Derived destructors
+  // call it first (the worker calls their execute()).
+  void stop_worker();
+
+ private:
+  struct Job {
+    uint64_t id;
+    Op op;
+    std::vector<Desc> descs;
+  };
+  void worker_loop();
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::mutex run_mu_;  // one execute() at a time: requests of a link run in submission order
+  std::mutex join_mu_;
+  bool closed_ = false;
+  uint64_t next_id_ = 1;
+  std::deque<Job> queue_;
+  std::map<uint64_t, Result> done_;
+  std::map<uint64_t, bool> live_;  // submitted, not yet reported
+  std::thread worker_;
+};
+
+}  // namespace hixl::transport

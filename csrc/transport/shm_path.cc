@@ -1,0 +1,203 @@
+#include "transport/shm_path.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <optional>
+
+#include "verbs/error.h"
+#include "verbs/log.h"
+
+namespace hixl::transport {
+
+namespace {
+
+constexpr uint64_t kChunk = 16ull << 20;  // deadline / close checks between chunks
+constexpr int kMaxIov = 1024;             // UIO_MAXIOV
+
+std::string cma_error(int err, pid_t pid) {
+  std::string s = errno_str(err);
+  if (err == EPERM)
+    s += ": cross-memory attach to pid " + std::to_string(pid) +
+         " is not permitted (different user, Yama ptrace_scope >= 2, or a container seccomp/ptrace policy)";
+  else if (err == ESRCH)
+    s += ": peer process " + std::to_string(pid) + " is gone";
+  else if (err == EFAULT)
+    s += ": the range is not mapped in the peer (freed after registration?)";
+  return s;
+}
+
+}  // namespace
+
+std::string boot_id() {
+  std::ifstream f("/proc/sys/kernel/random/boot_id");
+  std::string id;
+  std::getline(f, id);
+  return id;
+}
+
+std::string shm_probe(pid_t pid, uint64_t addr, uint64_t expect) {
+  uint64_t got = 0;
+  iovec l{&got, sizeof got}, r{reinterpret_cast<void*>(addr), sizeof got};
+  ssize_t n = ::process_vm_readv(pid, &l, 1, &r, 1, 0);
+  if (n < 0) return CallDesc("process_vm_readv").arg("pid", pid).hex("addr", addr).str() + ": " + cma_error(errno, pid);
+  if (n != ssize_t(sizeof got) || got != expect)
+    return "process_vm_readv(pid=" + std::to_string(pid) + ") read the wrong cookie: not the peer it claims to be";
+  return "";
+}
+
+ShmPath::ShmPath(pid_t peer_pid, std::string peer) : pid_(peer_pid), peer_(std::move(peer)) {
+  pidfd_ = int(::syscall(SYS_pidfd_open, pid_, 0));  // exit detection immune to pid reuse (-1: use kill)
+}
+
+ShmPath::~ShmPath() {
+  stop_worker();
+  if (pidfd_ >= 0) ::close(pidfd_);
+}
+
+ShmPath::View::~View() {
+  if (base) ::munmap(base, len);
+}
+
+bool ShmPath::peer_alive() const {
+  if (pidfd_ >= 0) {
+    pollfd p{pidfd_, POLLIN, 0};
+    return ::poll(&p, 1, 0) == 0;  // readable once the process exited
+  }
+  return ::kill(pid_, 0) == 0 || errno == EPERM;
+}
+
+void ShmPath::set_extents(const std::vector<ShmExtent>& extents) {
+  std::lock_guard<std::mutex> g(map_mu_);
+  std::map<uint64_t, Mapping> next;
+  for (const auto& e : extents) {
+    auto it = maps_.find(e.addr);
+    if (it != maps_.end() && it->second.ext.len == e.len && it->second.ext.fd == e.fd &&
+        it->second.ext.offset == e.offset) {
+      next[e.addr] = it->second;  // unchanged: keep the mapping
+      maps_.erase(it);
+    } else {
+      next[e.addr].ext = e;
+    }
+  }
+  maps_.swap(next);  // views of extents the peer no longer offers go when their last copy ends
+}
+
+std::shared_ptr<ShmPath::View> ShmPath::mapped(uint64_t addr, uint64_t len, uint8_t** at) {
+  std::lock_guard<std::mutex> g(map_mu_);
+  auto it = maps_.upper_bound(addr);
+  if (it == maps_.begin()) return nullptr;
+  --it;
+  Mapping& m = it->second;
+  if (addr - m.ext.addr > m.ext.len || len > m.ext.len - (addr - m.ext.addr)) return nullptr;
+  if (m.failed) return nullptr;
+  if (!m.view) {
+    std::string path = "/proc/" + std::to_string(pid_) + "/fd/" + std::to_string(m.ext.fd);
+    int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+    if (fd < 0) {
+      log::info("shm: cannot open " + path + " (" + errno_str(errno) + "); using cross-memory attach for it");
+      m.failed = true;
+      return nullptr;
+    }
+    const uint64_t page = uint64_t(::sysconf(_SC_PAGESIZE));
+    uint64_t start = m.ext.offset & ~(page - 1);
+    size_t map_len = size_t(m.ext.offset - start + m.ext.len);
+    void* p = ::mmap(nullptr, map_len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, off_t(start));
+    ::close(fd);
+    if (p == MAP_FAILED) {
+      log::info("shm: mmap of " + path + " failed (" + errno_str(errno) + "); using cross-memory attach for it");
+      m.failed = true;
+      return nullptr;
+    }
+    auto v = std::make_shared<View>();
+    v->base = static_cast<uint8_t*>(p);
+    v->len = map_len;
+    v->at = v->base + (m.ext.offset - start);
+    m.view = std::move(v);
+  }
+  *at = m.view->at + (addr - m.ext.addr);
+  return m.view;
+}
+
+Result ShmPath::execute(Op op, const std::vector<Desc>& descs, Clock::time_point deadline) {
+  const bool write = op == Op::kWrite;
+  std::vector<iovec> liov, riov;
+  liov.reserve(std::min<size_t>(descs.size(), kMaxIov));
+  riov.reserve(liov.capacity());
+  uint64_t batch_bytes = 0;
+  auto flush = [&]() -> std::string {
+    // One syscall for up to kMaxIov pieces; a short transfer continues where it stopped.
+    size_t li = 0, ri = 0;
+    while (li < liov.size()) {
+      ssize_t n = write ? ::process_vm_writev(pid_, &liov[li], liov.size() - li, &riov[ri], riov.size() - ri, 0)
+                        : ::process_vm_readv(pid_, &liov[li], liov.size() - li, &riov[ri], riov.size() - ri, 0);
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        return CallDesc(write ? "process_vm_writev" : "process_vm_readv").arg("pid", pid_).arg("iovs", liov.size() - li)
+                   .hex("remote", uint64_t(reinterpret_cast<uintptr_t>(riov[ri].iov_base))).str() + ": " +
+               cma_error(errno, pid_);
+      }
+      if (n == 0) return "process_vm: no progress (peer range unmapped?)";
+      size_t left = size_t(n);
+      while (left && li < liov.size()) {  // local and remote pieces have equal lengths pairwise
+        size_t k = std::min(left, liov[li].iov_len);
+        liov[li].iov_base = static_cast<uint8_t*>(liov[li].iov_base) + k;
+        liov[li].iov_len -= k;
+        riov[ri].iov_base = static_cast<uint8_t*>(riov[ri].iov_base) + k;
+        riov[ri].iov_len -= k;
+        left -= k;
+        if (liov[li].iov_len == 0) ++li, ++ri;
+      }
+    }
+    liov.clear();
+    riov.clear();
+    batch_bytes = 0;
+    return "";
+  };
+  auto checkpoint = [&]() -> std::optional<Result> {
+    if (closed()) return Result{Status::kFailed, "shm path to " + peer_ + " closed during the request"};
+    if (Clock::now() >= deadline)
+      return Result{Status::kTimeout, "shm request to " + peer_ + " passed its deadline (the rest was not copied)"};
+    return std::nullopt;
+  };
+  for (const Desc& d : descs) {
+    for (uint64_t off = 0; off < d.length;) {
+      uint64_t n = std::min(kChunk, d.length - off);
+      auto* local = reinterpret_cast<uint8_t*>(d.local_addr + off);
+      uint64_t remote = d.remote_addr + off;
+      uint8_t* m = nullptr;
+      if (auto view = mapped(remote, n, &m)) {
+        if (!liov.empty())
+          if (auto err = flush(); !err.empty()) return {Status::kFailed, err};
+        if (write)
+          std::memcpy(m, local, n);
+        else
+          std::memcpy(local, m, n);
+      } else {
+        liov.push_back({local, size_t(n)});
+        riov.push_back({reinterpret_cast<void*>(remote), size_t(n)});
+        batch_bytes += n;
+        if (liov.size() == size_t(kMaxIov) || batch_bytes >= kChunk)
+          if (auto err = flush(); !err.empty()) return {Status::kFailed, err};
+      }
+      off += n;
+      if (n == kChunk || batch_bytes == 0)
+        if (auto stop = checkpoint()) return *stop;
+    }
+  }
+  if (!liov.empty())
+    if (auto err = flush(); !err.empty()) return {Status::kFailed, err};
+  if (!peer_alive()) return {Status::kFailed, "peer process " + std::to_string(pid_) + " (" + peer_ + ") exited"};
+  return {Status::kCompleted, ""};
+}
+
+}  // namespace hixl::transport

@@ -1,0 +1,69 @@
+// Same-host data path: the initiator's CPU moves bytes straight into (or out of) the peer's
+// registered memory; the peer's CPU does nothing. Regions backed by a memfd (the hixl.acl shim)
+// are mapped from /proc/<pid>/fd/<fd> and copied with memcpy; any other registered memory is
+// reached with cross-memory attach (process_vm_writev / process_vm_readv). Both need the same
+// permission as ptrace attach (same uid, Yama ptrace_scope 0, or 1 with a ptracer grant); shm_probe()
+// tells at connect time whether it works.
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "transport/data_path.h"
+
+namespace hixl::transport {
+
+struct ShmExtent {  // a peer region backed by a memfd it shares
+  uint64_t addr = 0;
+  uint64_t len = 0;
+  uint64_t offset = 0;  // of addr inside the memfd
+  int32_t fd = -1;      // the peer's fd number (opened as /proc/<pid>/fd/<fd>)
+};
+
+// Reads 8 bytes at `addr` in process `pid` with process_vm_readv; "" if that gives `expect`,
+// else why not (errno and a hint).
+std::string shm_probe(pid_t pid, uint64_t addr, uint64_t expect);
+// This boot's id (/proc/sys/kernel/random/boot_id): equal on both ends = same host (same kernel).
+std::string boot_id();
+
+class ShmPath final : public QueuedPath {
+ public:
+  ShmPath(pid_t peer_pid, std::string peer);
+  ~ShmPath() override;
+  const char* name() const override { return "shm"; }
+  void set_extents(const std::vector<ShmExtent>& extents);  // replaces; mappings are made on first use
+  bool peer_alive() const;
+
+ protected:
+  Result execute(Op op, const std::vector<Desc>& descs, Clock::time_point deadline) override;
+
+ private:
+  struct View {  // one mmap of a peer memfd; unmapped when the last user lets go
+    uint8_t* base = nullptr;
+    size_t len = 0;
+    uint8_t* at = nullptr;  // where the extent's addr lands in our address space
+    ~View();
+  };
+  struct Mapping {
+    ShmExtent ext;
+    std::shared_ptr<View> view;  // null until first use
+    bool failed = false;         // mapping impossible: use cross-memory attach for this extent
+  };
+  // The mapping holding [addr, addr+len) and a pointer to addr in it; null: not memfd-backed (or not
+  // mappable). The shared_ptr keeps the mapping alive while a copy uses it, even if a region update
+  // drops the extent meanwhile.
+  std::shared_ptr<View> mapped(uint64_t addr, uint64_t len, uint8_t** at);
+
+  pid_t pid_;
+  std::string peer_;
+  int pidfd_ = -1;
+  std::mutex map_mu_;
+  std::map<uint64_t, Mapping> maps_;  // by extent addr
+};
+
+}  // namespace hixl::transport

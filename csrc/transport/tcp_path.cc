@@ -1,0 +1,236 @@
+#include "transport/tcp_path.h"
+
+#include <poll.h>
+#include <sys/socket.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "verbs/error.h"
+#include "verbs/log.h"
+
+namespace hixl::transport {
+
+namespace {
+
+constexpr uint32_t kMagic = 0x44545848;  // "HXTD"
+constexpr uint32_t kOpWrite = 1, kOpRead = 2;
+constexpr uint32_t kMaxDescs = 4096;      // per frame; bigger requests use several frames
+constexpr size_t kHeader = 24, kReply = 16;
+constexpr uint64_t kInlineBytes = 64 * 1024;  // writes up to this size are copied behind the header
+constexpr int kParamInvalid = 103900, kFailed = 503900;
+
+void put32(uint8_t* p, uint32_t v) { for (int i = 0; i < 4; ++i) p[i] = uint8_t(v >> (8 * i)); }
+void put64(uint8_t* p, uint64_t v) { for (int i = 0; i < 8; ++i) p[i] = uint8_t(v >> (8 * i)); }
+uint32_t get32(const uint8_t* p) { uint32_t v = 0; for (int i = 0; i < 4; ++i) v |= uint32_t(p[i]) << (8 * i); return v; }
+uint64_t get64(const uint8_t* p) { uint64_t v = 0; for (int i = 0; i < 8; ++i) v |= uint64_t(p[i]) << (8 * i); return v; }
+
+enum class Io { kOk, kTimeout, kStopped, kClosed, kError };
+
+// Moves exactly len bytes, waiting in slices so `stop` and the deadline are noticed.
+Io xfer(int fd, uint8_t* p, size_t len, bool sending, Clock::time_point deadline, const std::atomic<bool>* stop,
+        int* err) {
+  while (len) {
+    if (stop && *stop) return Io::kStopped;
+    ssize_t n = sending ? ::send(fd, p, len, MSG_NOSIGNAL | MSG_DONTWAIT) : ::recv(fd, p, len, MSG_DONTWAIT);
+    if (n > 0) {
+      p += n;
+      len -= size_t(n);
+      continue;
+    }
+    if (n == 0 && !sending) return Io::kClosed;
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK) {
+      *err = errno;
+      return errno == ECONNRESET || errno == EPIPE ? Io::kClosed : Io::kError;
+    }
+    auto now = Clock::now();
+    if (now >= deadline) return Io::kTimeout;
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now).count();
+    pollfd pf{fd, short(sending ? POLLOUT : POLLIN), 0};
+    int rc = ::poll(&pf, 1, int(std::min<long long>(left + 1, 100)));
+    if (rc < 0 && errno != EINTR) {
+      *err = errno;
+      return Io::kError;
+    }
+  }
+  return Io::kOk;
+}
+
+const char* io_name(Io r) {
+  switch (r) {
+    case Io::kOk: return "ok";
+    case Io::kTimeout: return "timed out";
+    case Io::kStopped: return "path closing";
+    case Io::kClosed: return "peer closed the connection";
+    case Io::kError: return "socket error";
+  }
+  return "?";
+}
+
+}  // namespace
+
+TcpPath::TcpPath(std::string peer, Validator validate, std::shared_mutex* registry_mu)
+    : peer_(std::move(peer)), validate_(std::move(validate)), registry_mu_(registry_mu) {}
+
+TcpPath::~TcpPath() { close(); }
+
+void TcpPath::attach(bool serve, oob::Socket s) {
+  std::lock_guard<std::mutex> g(attach_mu_);
+  if (stopping_) return;  // closed meanwhile: s closes here
+  if ((serve ? srv_ : req_).valid()) {
+    log::warn("tcp path to " + peer_ + ": a second " + (serve ? "serve" : "request") + " connection; dropped");
+    return;
+  }
+  if (serve) {
+    srv_ = std::move(s);
+    server_ = std::thread([this] { serve_loop(); });
+  } else {
+    req_ = std::move(s);
+  }
+  attach_cv_.notify_all();
+}
+
+bool TcpPath::wait_attached(Clock::time_point deadline) {
+  std::unique_lock<std::mutex> lk(attach_mu_);
+  return attach_cv_.wait_until(lk, deadline, [&] { return stopping_ || (req_.valid() && srv_.valid()); }) &&
+         !stopping_;
+}
+
+void TcpPath::interrupt() {
+  std::lock_guard<std::mutex> g(attach_mu_);
+  stopping_ = true;  // before the shutdown: the server thread checks it before every recv
+  req_.shutdown();
+  srv_.shutdown();
+  attach_cv_.notify_all();
+}
+
+void TcpPath::close() {
+  QueuedPath::close();  // interrupt(), then the worker and any synchronous request have stopped
+  std::lock_guard<std::mutex> g(server_join_mu_);
+  if (server_.joinable()) server_.join();  // the peer's request being applied has stopped too
+}
+
+Result TcpPath::execute(Op op, const std::vector<Desc>& descs, Clock::time_point deadline) {
+  auto fail = [&](Status st, const std::string& why) {
+    broken_ = true;
+    req_.shutdown();
+    return Result{st, "tcp path to " + peer_ + ": " + why};
+  };
+  if (broken_) return {Status::kFailed, "tcp path to " + peer_ + " is broken by an earlier failure"};
+  if (!wait_attached(std::min(deadline, Clock::now() + std::chrono::milliseconds(5000))))
+    return {Status::kFailed, "tcp path to " + peer_ + ": data connections not attached"};
+  const int fd = req_.fd();
+  const bool write = op == Op::kWrite;
+  int err = 0;
+  std::vector<uint8_t> buf;
+  for (size_t first = 0; first < descs.size(); first += kMaxDescs) {
+    size_t n = std::min<size_t>(kMaxDescs, descs.size() - first);
+    uint64_t seq = next_seq_++;
+    buf.assign(kHeader + 16 * n, 0);
+    put32(&buf[0], kMagic);
+    put32(&buf[4], write ? kOpWrite : kOpRead);
+    put64(&buf[8], seq);
+    put32(&buf[16], uint32_t(n));
+    for (size_t i = 0; i < n; ++i) {
+      put64(&buf[kHeader + 16 * i], descs[first + i].remote_addr);
+      put64(&buf[kHeader + 16 * i + 8], descs[first + i].length);
+    }
+    // Small writes travel in the same segment as their header (one send, no extra round of wakeups).
+    size_t inlined = 0;
+    if (write) {
+      uint64_t small = 0;
+      while (inlined < n && small + descs[first + inlined].length <= kInlineBytes) small += descs[first + inlined++].length;
+      if (inlined < n) inlined = 0;  // all or nothing keeps the stream layout simple
+      for (size_t i = 0; i < inlined; ++i) {
+        const auto* p = reinterpret_cast<const uint8_t*>(descs[first + i].local_addr);
+        buf.insert(buf.end(), p, p + descs[first + i].length);
+      }
+    }
+    Io r = xfer(fd, buf.data(), buf.size(), true, deadline, nullptr, &err);
+    for (size_t i = inlined; r == Io::kOk && write && i < n; ++i)
+      r = xfer(fd, reinterpret_cast<uint8_t*>(descs[first + i].local_addr), descs[first + i].length, true, deadline,
+               nullptr, &err);
+    uint8_t rep[kReply];
+    if (r == Io::kOk) r = xfer(fd, rep, sizeof rep, false, deadline, nullptr, &err);
+    if (r != Io::kOk)
+      return fail(r == Io::kTimeout ? Status::kTimeout : Status::kFailed,
+                  std::string(write ? "write" : "read") + " " + io_name(r) + (err ? ": " + errno_str(err) : ""));
+    if (get32(rep) != kMagic || get64(rep + 8) != seq)
+      return fail(Status::kFailed, "reply out of step (magic/seq mismatch)");
+    if (uint32_t st = get32(rep + 4))
+      return fail(Status::kFailed, "the peer refused the request (status " + std::to_string(st) +
+                                       "): a range is not inside its registered memory");
+    for (size_t i = 0; !write && i < n; ++i) {
+      r = xfer(fd, reinterpret_cast<uint8_t*>(descs[first + i].local_addr), descs[first + i].length, false, deadline,
+               nullptr, &err);
+      if (r != Io::kOk)
+        return fail(r == Io::kTimeout ? Status::kTimeout : Status::kFailed,
+                    std::string("read payload ") + io_name(r) + (err ? ": " + errno_str(err) : ""));
+    }
+    if (closed()) return fail(Status::kFailed, "path closed during the request");
+  }
+  return {Status::kCompleted, ""};
+}
+
+void TcpPath::serve_loop() {
+  const int fd = srv_.fd();
+  const auto forever = Clock::time_point::max();
+  std::vector<uint8_t> descs;
+  int err = 0;
+  auto reply = [&](uint64_t seq, uint32_t status) {
+    uint8_t rep[kReply];
+    put32(rep, kMagic);
+    put32(rep + 4, status);
+    put64(rep + 8, seq);
+    return xfer(fd, rep, sizeof rep, true, Clock::now() + std::chrono::seconds(30), &stopping_, &err);
+  };
+  std::string why;
+  for (;;) {
+    uint8_t h[kHeader];
+    Io r = xfer(fd, h, sizeof h, false, forever, &stopping_, &err);
+    if (r != Io::kOk) {
+      if (r != Io::kStopped && r != Io::kClosed) why = std::string("header ") + io_name(r);
+      break;
+    }
+    uint32_t op = get32(h + 4), n = get32(h + 16);
+    uint64_t seq = get64(h + 8);
+    if (get32(h) != kMagic || (op != kOpWrite && op != kOpRead) || n == 0 || n > kMaxDescs || get32(h + 20)) {
+      why = "malformed request header";
+      reply(seq, kFailed);
+      break;
+    }
+    descs.resize(16 * size_t(n));
+    if ((r = xfer(fd, descs.data(), descs.size(), false, forever, &stopping_, &err)) != Io::kOk) break;
+    const bool write = op == kOpWrite;
+    std::shared_lock<std::shared_mutex> reg(*registry_mu_);  // deregistration waits for us
+    bool valid = true;
+    for (uint32_t i = 0; i < n && valid; ++i) {
+      uint64_t a = get64(&descs[16 * i]), len = get64(&descs[16 * i + 8]);
+      valid = len && a + len >= a && validate_(a, len, write);
+    }
+    if (!valid) {
+      // An honest initiator checked the same ranges; the payload that follows cannot be skipped safely.
+      why = std::string(write ? "write" : "read") + " request for memory that is not registered here";
+      reply(seq, kParamInvalid);
+      break;
+    }
+    if (write) {
+      for (uint32_t i = 0; i < n && r == Io::kOk; ++i)
+        r = xfer(fd, reinterpret_cast<uint8_t*>(get64(&descs[16 * i])), get64(&descs[16 * i + 8]), false, forever,
+                 &stopping_, &err);
+      if (r != Io::kOk) break;
+      if (reply(seq, 0) != Io::kOk) break;
+    } else {
+      r = reply(seq, 0);
+      for (uint32_t i = 0; i < n && r == Io::kOk; ++i)
+        r = xfer(fd, reinterpret_cast<uint8_t*>(get64(&descs[16 * i])), get64(&descs[16 * i + 8]), true,
+                 Clock::now() + std::chrono::seconds(30), &stopping_, &err);
+      if (r != Io::kOk) break;
+    }
+  }
+  if (!why.empty()) log::warn("tcp path from " + peer_ + ": " + why + "; closing the data connection");
+  srv_.shutdown();
+}
+
+}  // namespace hixl::transport
