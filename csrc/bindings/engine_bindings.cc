@@ -10,6 +10,15 @@ namespace py = pybind11;
 using namespace hixl::engine;
 using release = py::call_guard<py::gil_scoped_release>;
 
+namespace {
+using DescTuples = std::vector<std::tuple<uint64_t, uint64_t, uint64_t>>;  // (local_addr, remote_addr, len)
+std::vector<OpDesc> to_descs(const DescTuples& d) {
+  std::vector<OpDesc> out(d.size());
+  for (size_t i = 0; i < d.size(); ++i) out[i] = {std::get<0>(d[i]), std::get<1>(d[i]), std::get<2>(d[i])};
+  return out;
+}
+}  // namespace
+
 void hixl_bind_engine(py::module_& m) {
   py::class_<Engine>(m, "Engine")
       .def(py::init<>())
@@ -42,20 +51,14 @@ void hixl_bind_engine(py::module_& m) {
       .def("all_async_connect_status", &Engine::all_async_connect_status, release())
       .def(
           "transfer_sync",
-          [](Engine& e, const std::string& remote, int op, const std::vector<std::tuple<uint64_t, uint64_t, uint64_t>>& d,
-             int timeout_ms) {
-            std::vector<OpDesc> descs(d.size());
-            for (size_t i = 0; i < d.size(); ++i) descs[i] = {std::get<0>(d[i]), std::get<1>(d[i]), std::get<2>(d[i])};
-            return e.transfer_sync(remote, TransferOp(op), descs, timeout_ms);
+          [](Engine& e, const std::string& remote, int op, const DescTuples& d, int timeout_ms) {
+            return e.transfer_sync(remote, TransferOp(op), to_descs(d), timeout_ms);
           },
           py::arg("remote"), py::arg("op"), py::arg("descs"), py::arg("timeout_ms"), release())
       .def(
           "transfer_async",
-          [](Engine& e, const std::string& remote, int op, const std::vector<std::tuple<uint64_t, uint64_t, uint64_t>>& d,
-             uint64_t user_data) {
-            std::vector<OpDesc> descs(d.size());
-            for (size_t i = 0; i < d.size(); ++i) descs[i] = {std::get<0>(d[i]), std::get<1>(d[i]), std::get<2>(d[i])};
-            return e.transfer_async(remote, TransferOp(op), descs, user_data);
+          [](Engine& e, const std::string& remote, int op, const DescTuples& d, uint64_t user_data) {
+            return e.transfer_async(remote, TransferOp(op), to_descs(d), user_data);
           },
           py::arg("remote"), py::arg("op"), py::arg("descs"), py::arg("user_data"), release())
       .def("transfer_status", &Engine::transfer_status, py::arg("req"), release())
