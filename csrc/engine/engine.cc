@@ -85,12 +85,6 @@ std::string offers_string(uint32_t offers) {
   return out.empty() ? "none" : out;
 }
 
-std::vector<transport::ShmExtent> to_shm(const std::vector<wire::Extent>& v) {
-  std::vector<transport::ShmExtent> out;
-  for (const auto& e : v) out.push_back({e.addr, e.len, e.offset, int32_t(e.fd)});
-  return out;
-}
-
 std::vector<RegionEntry> to_entries(const std::vector<wire::Region>& regions) {
   std::vector<RegionEntry> out;
   out.reserve(regions.size());
@@ -123,7 +117,6 @@ const char* code_name(int code) {
 
 // ------------------------------------------------------------------------------------------ Link
 struct Engine::Link {
-  uint64_t id = 0;
   std::string key;
   bool initiator = false;
   uint64_t peer_instance = 0;
@@ -294,7 +287,6 @@ int Engine::initialize(const std::string& local_engine, const Options& opts) {
     if (opts.transport == "auto" || opts.transport == "tcp") offers_ |= wire::transport_bit(wire::Transport::kTcp);
     boot_id_ = transport::boot_id();
     listener_ = std::move(listener);
-    listening_ = listener_.valid();
     name_ = name;
     host_ = *canonical(host);
     wake_fd_ = wfd;
@@ -549,7 +541,7 @@ void Engine::make_path(Link& link, const wire::Control& peer) {
       break;
     case wire::Transport::kShm: {
       auto p = std::make_shared<transport::ShmPath>(pid_t(peer.pid), link.key);
-      p->set_extents(to_shm(peer.extents));
+      p->set_extents(peer.extents);
       link.shm = p.get();
       link.path = p;
       link.ep.reset();
@@ -591,7 +583,6 @@ bool Engine::add_link(const std::shared_ptr<Link>& link, oob::Socket s, const wi
       if (!superseded) return false;
       *superseded = it->second;  // the caller retires it (outside mu_)
     }
-    link->id = next_link_id_++;
     links_[link->key] = link;
     auto a = async_.find(link->key);
     if (a != async_.end() && a->second == ConnState::kConnectFailed) async_.erase(a);
@@ -1081,8 +1072,7 @@ int Engine::prepare(const std::shared_ptr<Link>& link, TransferOp op, const std:
         return fail(kParamInvalid, CallDesc("transfer").arg("desc", i).hex("local_addr", d.local_addr)
                                        .hex("remote_addr", d.remote_addr).arg("len", d.len).str() +
                                        ": empty or wrapping range");
-      bool hit = last && d.len <= last->len && d.local_addr >= last->addr && d.local_addr - last->addr <= last->len - d.len;
-      if (!hit) last = local_table_.find(d.local_addr, d.len, 0);
+      if (!(last && last->contains(d.local_addr, d.len))) last = local_table_.find(d.local_addr, d.len, 0);
       if (!last)
         return fail(kParamInvalid, CallDesc("transfer").arg("desc", i).hex("local_addr", d.local_addr)
                                        .arg("len", d.len).str() + ": local range is not inside a registered region");
@@ -1100,9 +1090,7 @@ int Engine::prepare(const std::shared_ptr<Link>& link, TransferOp op, const std:
     const RegionEntry* last = nullptr;
     for (size_t i = 0; i < descs.size(); ++i) {
       const OpDesc& d = descs[i];
-      bool hit = last && d.len <= last->len && d.remote_addr >= last->addr &&
-                 d.remote_addr - last->addr <= last->len - d.len;
-      if (!hit) last = link->remote.find(d.remote_addr, d.len, need);
+      if (!(last && last->contains(d.remote_addr, d.len))) last = link->remote.find(d.remote_addr, d.len, need);
       if (!last) {
         *bad = i;
         return false;
@@ -1348,7 +1336,7 @@ void Engine::handle_frame(const std::shared_ptr<Link>& link, const wire::Control
     case wire::FrameType::kAbortAck: link->deliver(c); break;
     case wire::FrameType::kRegions:
       link->set_regions(c.regions, c.version);
-      if (link->shm) link->shm->set_extents(to_shm(c.extents));
+      if (link->shm) link->shm->set_extents(c.extents);
       if (c.seq) link->deliver(c);
       break;
     case wire::FrameType::kRegionsReq: {

@@ -179,7 +179,6 @@ class Engine {
   Options opts_;
   std::string name_;
   std::string host_;
-  bool listening_ = false;
   uint32_t offers_ = 0;  // wire::transport_bit() of each transport this engine may use
   bool auto_transport_ = true;
   const uint64_t probe_cookie_;  // peers on this host read it with process_vm_readv
@@ -214,7 +213,6 @@ class Engine {
   std::map<std::string, ConnState> async_;              // pending/finished async (dis)connects
   std::map<uint64_t, Request> reqs_;
   uint64_t next_req_ = 1;
-  uint64_t next_link_id_ = 1;
 
   std::mutex notify_mu_;
   std::deque<Notify> inbox_;

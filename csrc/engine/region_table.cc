@@ -41,8 +41,7 @@ const RegionEntry* RegionTable::find(uint64_t addr, uint64_t len, uint32_t need_
   while (it != v_.begin()) {
     --it;
     if (addr - it->addr >= max_len_) break;
-    bool covers = len <= it->len && addr - it->addr <= it->len - len;
-    if (covers && (it->access & need_access) == need_access) return &*it;
+    if (it->contains(addr, len) && (it->access & need_access) == need_access) return &*it;
   }
   return nullptr;
 }

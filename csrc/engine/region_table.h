@@ -14,6 +14,8 @@ struct RegionEntry {
   uint32_t key = 0;     // lkey for local regions, rkey for remote ones
   uint32_t access = 0;  // wire::RegionAccess bits
   uint64_t id = 0;      // registration handle (local) or position (remote)
+  // All of [a, a+n) inside this region (n > 0; written so that nothing overflows).
+  bool contains(uint64_t a, uint64_t n) const { return n && n <= len && a >= addr && a - addr <= len - n; }
 };
 
 class RegionTable {

@@ -76,7 +76,7 @@ bool ShmPath::peer_alive() const {
   return ::kill(pid_, 0) == 0 || errno == EPERM;
 }
 
-void ShmPath::set_extents(const std::vector<ShmExtent>& extents) {
+void ShmPath::set_extents(const std::vector<wire::Extent>& extents) {
   std::lock_guard<std::mutex> g(map_mu_);
   std::map<uint64_t, Mapping> next;
   for (const auto& e : extents) {

@@ -15,15 +15,9 @@
 #include <vector>
 
 #include "transport/data_path.h"
+#include "wire/control.h"
 
 namespace hixl::transport {
-
-struct ShmExtent {  // a peer region backed by a memfd it shares
-  uint64_t addr = 0;
-  uint64_t len = 0;
-  uint64_t offset = 0;  // of addr inside the memfd
-  int32_t fd = -1;      // the peer's fd number (opened as /proc/<pid>/fd/<fd>)
-};
 
 // Reads 8 bytes at `addr` in process `pid` with process_vm_readv; "" if that gives `expect`,
 // else why not (errno and a hint).
@@ -36,7 +30,9 @@ class ShmPath final : public QueuedPath {
   ShmPath(pid_t peer_pid, std::string peer);
   ~ShmPath() override;
   const char* name() const override { return "shm"; }
-  void set_extents(const std::vector<ShmExtent>& extents);  // replaces; mappings are made on first use
+  // The peer's memfd-backed regions (its fd numbers, opened as /proc/<pid>/fd/<fd>). Replaces the
+  // previous list; mappings are made on first use.
+  void set_extents(const std::vector<wire::Extent>& extents);
   bool peer_alive() const;
 
  protected:
@@ -50,7 +46,7 @@ class ShmPath final : public QueuedPath {
     ~View();
   };
   struct Mapping {
-    ShmExtent ext;
+    wire::Extent ext;
     std::shared_ptr<View> view;  // null until first use
     bool failed = false;         // mapping impossible: use cross-memory attach for this extent
   };

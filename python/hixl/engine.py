@@ -35,6 +35,7 @@ from .types import (
     TransferOp,
     TransferResult,
     TransferStatus,
+    _as_u64,
     parse_engine_address,
     parse_options,
     validate_mem_desc,
@@ -50,14 +51,9 @@ _DEFAULT_TIMEOUT_MS = 1000
 
 
 def _int(v: Any, lo: int, hi: int) -> Optional[int]:
-    """``v`` as an int in [lo, hi] (bools refused), else None."""
-    if isinstance(v, bool) or type(v).__name__ in ("bool", "bool_"):
-        return None
-    try:
-        n = operator.index(v)
-    except Exception:
-        return None
-    return n if lo <= n <= hi else None
+    """``v`` as an int in [lo, hi] (0 <= lo), else None; bools (numpy's too) refused as in hixl.types."""
+    n = _as_u64(v)
+    return n if n is not None and lo <= n <= hi else None
 
 
 def _enum(v: Any, cls: Any) -> Optional[int]:
