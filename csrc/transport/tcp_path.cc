@@ -1,7 +1,12 @@
 #include "transport/tcp_path.h"
 
 #include <poll.h>
+#include <sched.h>
 #include <sys/socket.h>
+#include <sys/uio.h>
+
+#include <climits>
+#include <cstdlib>
 
 #include <algorithm>
 #include <cstring>
@@ -17,7 +22,6 @@ constexpr uint32_t kMagic = 0x44545848;  // "HXTD"
 constexpr uint32_t kOpWrite = 1, kOpRead = 2;
 constexpr uint32_t kMaxDescs = 4096;      // per frame; bigger requests use several frames
 constexpr size_t kHeader = 24, kReply = 16;
-constexpr uint64_t kInlineBytes = 64 * 1024;  // writes up to this size are copied behind the header
 constexpr int kParamInvalid = 103900, kFailed = 503900;
 
 void put32(uint8_t* p, uint32_t v) { for (int i = 0; i < 4; ++i) p[i] = uint8_t(v >> (8 * i)); }
@@ -27,15 +31,45 @@ uint64_t get64(const uint8_t* p) { uint64_t v = 0; for (int i = 0; i < 8; ++i) v
 
 enum class Io { kOk, kTimeout, kStopped, kClosed, kError };
 
-// Moves exactly len bytes, waiting in slices so `stop` and the deadline are noticed.
-Io xfer(int fd, uint8_t* p, size_t len, bool sending, Clock::time_point deadline, const std::atomic<bool>* stop,
-        int* err) {
-  while (len) {
+// How long a wait for the socket spins (non-blocking retries) after the last progress before it
+// sleeps in poll(). Waking a sleeping thread costs tens of microseconds on a VM (the idle vCPU is
+// halted), more than the whole round trip of a small request; a bounded spin keeps back-to-back
+// requests and their replies off that path. $HIXL_TCP_SPIN_US overrides it (0: never spin).
+std::chrono::microseconds spin_budget() {
+  static const std::chrono::microseconds v = [] {
+    const char* e = std::getenv("HIXL_TCP_SPIN_US");
+    long us = e && *e ? std::strtol(e, nullptr, 10) : 50;
+    return std::chrono::microseconds(std::clamp(us, 0L, 100000L));
+  }();
+  return v;
+}
+
+// Moves every byte of iov[0, cnt) with sendmsg/recvmsg (IOV_MAX entries at a time; the array is
+// consumed). Waits spin for spin_budget() since the last progress, then poll in 100 ms slices so
+// that `stop` and the deadline are noticed.
+Io xferv(int fd, iovec* iov, size_t cnt, bool sending, Clock::time_point deadline, const std::atomic<bool>* stop,
+         int* err) {
+  size_t i = 0;
+  Clock::time_point spin_until{};
+  while (i < cnt) {
+    if (iov[i].iov_len == 0) {
+      ++i;
+      continue;
+    }
     if (stop && *stop) return Io::kStopped;
-    ssize_t n = sending ? ::send(fd, p, len, MSG_NOSIGNAL | MSG_DONTWAIT) : ::recv(fd, p, len, MSG_DONTWAIT);
+    msghdr m{};
+    m.msg_iov = iov + i;
+    m.msg_iovlen = std::min<size_t>(cnt - i, IOV_MAX);
+    ssize_t n = sending ? ::sendmsg(fd, &m, MSG_NOSIGNAL | MSG_DONTWAIT) : ::recvmsg(fd, &m, MSG_DONTWAIT);
     if (n > 0) {
-      p += n;
-      len -= size_t(n);
+      for (size_t left = size_t(n); left;) {
+        size_t step = std::min(left, iov[i].iov_len);
+        iov[i].iov_base = static_cast<uint8_t*>(iov[i].iov_base) + step;
+        iov[i].iov_len -= step;
+        left -= step;
+        if (!iov[i].iov_len) ++i;
+      }
+      spin_until = {};
       continue;
     }
     if (n == 0 && !sending) return Io::kClosed;
@@ -46,6 +80,13 @@ Io xfer(int fd, uint8_t* p, size_t len, bool sending, Clock::time_point deadline
     }
     auto now = Clock::now();
     if (now >= deadline) return Io::kTimeout;
+    if (spin_until == Clock::time_point{}) spin_until = now + spin_budget();
+    if (now < spin_until) {
+      // Yield while spinning: the thread we wait for may have been woken onto this very CPU, where
+      // a plain spin would hold it off for the whole budget (seen as +100 us round trips).
+      ::sched_yield();
+      continue;
+    }
     auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now).count();
     pollfd pf{fd, short(sending ? POLLOUT : POLLIN), 0};
     int rc = ::poll(&pf, 1, int(std::min<long long>(left + 1, 100)));
@@ -55,6 +96,12 @@ Io xfer(int fd, uint8_t* p, size_t len, bool sending, Clock::time_point deadline
     }
   }
   return Io::kOk;
+}
+
+Io xfer(int fd, void* p, size_t len, bool sending, Clock::time_point deadline, const std::atomic<bool>* stop,
+        int* err) {
+  iovec v{p, len};
+  return xferv(fd, &v, 1, sending, deadline, stop, err);
 }
 
 const char* io_name(Io r) {
@@ -124,6 +171,7 @@ Result TcpPath::execute(Op op, const std::vector<Desc>& descs, Clock::time_point
   const bool write = op == Op::kWrite;
   int err = 0;
   std::vector<uint8_t> buf;
+  std::vector<iovec> iov;
   for (size_t first = 0; first < descs.size(); first += kMaxDescs) {
     size_t n = std::min<size_t>(kMaxDescs, descs.size() - first);
     uint64_t seq = next_seq_++;
@@ -136,21 +184,12 @@ Result TcpPath::execute(Op op, const std::vector<Desc>& descs, Clock::time_point
       put64(&buf[kHeader + 16 * i], descs[first + i].remote_addr);
       put64(&buf[kHeader + 16 * i + 8], descs[first + i].length);
     }
-    // Small writes travel in the same segment as their header (one send, no extra round of wakeups).
-    size_t inlined = 0;
-    if (write) {
-      uint64_t small = 0;
-      while (inlined < n && small + descs[first + inlined].length <= kInlineBytes) small += descs[first + inlined++].length;
-      if (inlined < n) inlined = 0;  // all or nothing keeps the stream layout simple
-      for (size_t i = 0; i < inlined; ++i) {
-        const auto* p = reinterpret_cast<const uint8_t*>(descs[first + i].local_addr);
-        buf.insert(buf.end(), p, p + descs[first + i].length);
-      }
-    }
-    Io r = xfer(fd, buf.data(), buf.size(), true, deadline, nullptr, &err);
-    for (size_t i = inlined; r == Io::kOk && write && i < n; ++i)
-      r = xfer(fd, reinterpret_cast<uint8_t*>(descs[first + i].local_addr), descs[first + i].length, true, deadline,
-               nullptr, &err);
+    // One sendmsg for the header, the descriptors and (write) every payload: no copy, no extra
+    // segment or wakeup per descriptor.
+    iov.assign(1, iovec{buf.data(), buf.size()});
+    for (size_t i = 0; write && i < n; ++i)
+      iov.push_back(iovec{reinterpret_cast<void*>(descs[first + i].local_addr), descs[first + i].length});
+    Io r = xferv(fd, iov.data(), iov.size(), true, deadline, nullptr, &err);
     uint8_t rep[kReply];
     if (r == Io::kOk) r = xfer(fd, rep, sizeof rep, false, deadline, nullptr, &err);
     if (r != Io::kOk)
@@ -161,9 +200,11 @@ Result TcpPath::execute(Op op, const std::vector<Desc>& descs, Clock::time_point
     if (uint32_t st = get32(rep + 4))
       return fail(Status::kFailed, "the peer refused the request (status " + std::to_string(st) +
                                        "): a range is not inside its registered memory");
-    for (size_t i = 0; !write && i < n; ++i) {
-      r = xfer(fd, reinterpret_cast<uint8_t*>(descs[first + i].local_addr), descs[first + i].length, false, deadline,
-               nullptr, &err);
+    if (!write) {
+      iov.clear();
+      for (size_t i = 0; i < n; ++i)
+        iov.push_back(iovec{reinterpret_cast<void*>(descs[first + i].local_addr), descs[first + i].length});
+      r = xferv(fd, iov.data(), iov.size(), false, deadline, nullptr, &err);
       if (r != Io::kOk)
         return fail(r == Io::kTimeout ? Status::kTimeout : Status::kFailed,
                     std::string("read payload ") + io_name(r) + (err ? ": " + errno_str(err) : ""));
@@ -177,6 +218,7 @@ void TcpPath::serve_loop() {
   const int fd = srv_.fd();
   const auto forever = Clock::time_point::max();
   std::vector<uint8_t> descs;
+  std::vector<iovec> iov;
   int err = 0;
   auto reply = [&](uint64_t seq, uint32_t status) {
     uint8_t rep[kReply];
@@ -215,18 +257,20 @@ void TcpPath::serve_loop() {
       reply(seq, kParamInvalid);
       break;
     }
+    uint8_t rep[kReply];
+    put32(rep, kMagic);
+    put32(rep + 4, 0);
+    put64(rep + 8, seq);
+    iov.clear();
+    if (!write) iov.push_back(iovec{rep, sizeof rep});  // the reply, then the payloads, in one sendmsg
+    for (uint32_t i = 0; i < n; ++i)
+      iov.push_back(iovec{reinterpret_cast<void*>(get64(&descs[16 * i])), size_t(get64(&descs[16 * i + 8]))});
     if (write) {
-      for (uint32_t i = 0; i < n && r == Io::kOk; ++i)
-        r = xfer(fd, reinterpret_cast<uint8_t*>(get64(&descs[16 * i])), get64(&descs[16 * i + 8]), false, forever,
-                 &stopping_, &err);
-      if (r != Io::kOk) break;
+      if (xferv(fd, iov.data(), iov.size(), false, forever, &stopping_, &err) != Io::kOk) break;
       if (reply(seq, 0) != Io::kOk) break;
-    } else {
-      r = reply(seq, 0);
-      for (uint32_t i = 0; i < n && r == Io::kOk; ++i)
-        r = xfer(fd, reinterpret_cast<uint8_t*>(get64(&descs[16 * i])), get64(&descs[16 * i + 8]), true,
-                 Clock::now() + std::chrono::seconds(30), &stopping_, &err);
-      if (r != Io::kOk) break;
+    } else if (xferv(fd, iov.data(), iov.size(), true, Clock::now() + std::chrono::seconds(30), &stopping_, &err) !=
+               Io::kOk) {
+      break;
     }
   }
   if (!why.empty()) log::warn("tcp path from " + peer_ + ": " + why + "; closing the data connection");
