@@ -52,13 +52,20 @@ _DEFAULT_TIMEOUT_MS = 1000
 
 def _int(v: Any, lo: int, hi: int) -> Optional[int]:
     """``v`` as an int in [lo, hi] (0 <= lo), else None; bools (numpy's too) refused as in hixl.types."""
-    n = _as_u64(v)
+    # ints and IntEnums are the common case (bool is an int subclass: refused like numpy's bools)
+    n = int(v) if isinstance(v, int) and not isinstance(v, bool) else _as_u64(v)
     return n if n is not None and lo <= n <= hi else None
 
 
+_ENUM_VALUES: Dict[Any, frozenset] = {}
+
+
 def _enum(v: Any, cls: Any) -> Optional[int]:
+    values = _ENUM_VALUES.get(cls)
+    if values is None:
+        values = _ENUM_VALUES[cls] = frozenset(int(m) for m in cls)
     n = _int(v, 0, 255)
-    return n if n is not None and n in {int(m) for m in cls} else None
+    return n if n is not None and n in values else None
 
 
 class Hixl:
@@ -105,9 +112,15 @@ class Hixl:
             return None
         out = []
         for d in op_descs:
-            if validate_op_desc(d) != SUCCESS:
+            la, ra, n = (getattr(d, "local_addr", None), getattr(d, "remote_addr", None), getattr(d, "len", None))
+            if type(la) is int and type(ra) is int and type(n) is int:  # the per-call fast path: plain ints
+                if n <= 0 or la < 0 or ra < 0 or la + n > _U64_MAX + 1 or ra + n > _U64_MAX + 1:
+                    return None
+                out.append((la, ra, n))
+            elif validate_op_desc(d) == SUCCESS:  # numpy ints and other __index__ types
+                out.append((operator.index(la), operator.index(ra), operator.index(n)))
+            else:
                 return None
-            out.append((operator.index(d.local_addr), operator.index(d.remote_addr), operator.index(d.len)))
         return out
 
     def last_error(self) -> str:
