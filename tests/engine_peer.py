@@ -1,28 +1,52 @@
-"""A hixl.Hixl target in its own process, for tests that kill it mid-transfer.
+"""A hixl.Hixl peer in its own process, for tests that kill it or restrict it.
 
-Usage: python3 tests/engine_peer.py TRANSPORT SIZE
-Prints one JSON line {"name", "addr", "len"} once its buffer is registered, then serves until it
-is killed (or stdin closes).
+Usage: python3 tests/engine_peer.py TRANSPORT SIZE [--no-cma] [--write-to NAME ADDR]
+
+Serving (default): registers SIZE bytes of numpy memory, prints one JSON line {"name", "addr",
+"len"}, then serves until it is killed or stdin closes.
+--write-to NAME ADDR: connects to NAME instead, WRITEs SIZE bytes of the pattern i % 251 to ADDR,
+prints {"rc", "transport", "error"} and exits.
+--no-cma: first forbid cross-memory attach in this process with a seccomp filter (tests/no_cma.py),
+as a container's seccomp profile or Yama's ptrace_scope would.
 """
+import argparse
 import json
 import sys
+from pathlib import Path
 
 import numpy as np
 
-import hixl
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import hixl  # noqa: E402
 
 
 def main() -> None:
-    transport, size = sys.argv[1], int(sys.argv[2])
+    ap = argparse.ArgumentParser()
+    ap.add_argument("transport")
+    ap.add_argument("size", type=int)
+    ap.add_argument("--no-cma", action="store_true")
+    ap.add_argument("--write-to", nargs=2, metavar=("NAME", "ADDR"))
+    a = ap.parse_args()
+    if a.no_cma:
+        import no_cma
+        no_cma.forbid_cross_memory_attach()
     e = hixl.Hixl()
-    rc = e.initialize("127.0.0.1:0", {"HixlTransport": transport})
+    rc = e.initialize("127.0.0.1:0", {"HixlTransport": a.transport})
     if rc != hixl.SUCCESS:
         sys.exit("initialize: %s" % e.last_error())
-    buf = np.zeros(size, np.uint8)
-    rc, _ = e.register_mem(hixl.MemDesc(buf.ctypes.data, size), hixl.MemType.MEM_HOST)
+    buf = (np.arange(a.size) % 251).astype(np.uint8) if a.write_to else np.zeros(a.size, np.uint8)
+    rc, _ = e.register_mem(hixl.MemDesc(buf.ctypes.data, a.size), hixl.MemType.MEM_HOST)
     if rc != hixl.SUCCESS:
         sys.exit("register_mem: %s" % e.last_error())
-    print(json.dumps({"name": e.local_engine, "addr": buf.ctypes.data, "len": size}), flush=True)
+    if a.write_to:
+        name, addr = a.write_to[0], int(a.write_to[1])
+        rc = e.connect(name, 20000)
+        if rc == hixl.SUCCESS:
+            rc = e.transfer_sync(name, hixl.WRITE, [hixl.TransferOpDesc(buf.ctypes.data, addr, a.size)], 20000)
+        print(json.dumps({"rc": int(rc), "transport": e.get_transport(name)[1], "error": e.last_error()}), flush=True)
+        e.finalize()
+        return
+    print(json.dumps({"name": e.local_engine, "addr": buf.ctypes.data, "len": a.size}), flush=True)
     sys.stdin.read()  # until the test closes stdin or kills us
     e.finalize()
 

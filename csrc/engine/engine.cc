@@ -597,7 +597,10 @@ bool Engine::add_link(const std::shared_ptr<Link>& link, oob::Socket s, const wi
   std::string msg = "engine " + name_ + ": link to " + link->key + " uses transport " +
                     wire::transport_name(link->transport) + detail + (link->initiator ? ", we connected" : ", peer connected");
   if (link->transport == wire::Transport::kTcp && auto_transport_)
-    log::warn(msg + ": the TCP fallback (no RDMA device on both ends, and not the same host)");
+    log::warn(msg + (peer.boot_id == boot_id_
+                         ? ": the TCP fallback; the peer is on this host but the same-host transport is not usable "
+                           "between us (cross-memory attach refused on one side; that side's log says why)"
+                         : ": the TCP fallback (no RDMA device on both ends, and not the same host)"));
   else
     log::info(msg);
   return true;
@@ -764,6 +767,11 @@ int Engine::connect_once(const std::string& key, int timeout_ms, uint32_t offers
         if (!why.empty()) {
           if (shm_refusal && (offers & wire::transport_bit(wire::Transport::kTcp))) {
             *shm_refusal = why;
+            wire::Control no;  // tell the server why this attempt ends, so that it does not log a failure
+            no.type = wire::FrameType::kRefuse;
+            no.status = uint32_t(kUnsupported);
+            no.text = "shm not usable from the client (" + why + "); it reconnects without it";
+            oob::send_all(s, wire::encode_control(no), deadline);
             return kRetryWithoutShm;
           }
           throw Error("the same-host transport was chosen but is not usable from here: " + why);
@@ -904,7 +912,12 @@ void Engine::serve_incoming(oob::Socket s) {
     a.transport = chosen;
     oob::send_all(s, wire::encode_control(a), deadline);
     auto [h, payload] = oob::recv_frame(s, deadline);
-    if (h.type != wire::FrameType::kReady) throw Error("expected READY, got frame type " + std::to_string(int(h.type)));
+    if (h.type == wire::FrameType::kRefuse) {  // the client's probe of us failed: it retries without shm
+      log::info("engine " + name_ + ": " + *key + " ended its handshake: " + wire::parse_control(h.type, payload.data(), payload.size()).text);
+      link->path->close();
+    } else if (h.type != wire::FrameType::kReady) {
+      throw Error("expected READY, got frame type " + std::to_string(int(h.type)));
+    } else {
     // Published, then confirmed with a READY of ours, so that the client's connect() returns only
     // once both ends hold the link. send_mu keeps any other frame for this link behind it.
     std::unique_lock<std::mutex> first(link->send_mu);
@@ -914,6 +927,7 @@ void Engine::serve_incoming(oob::Socket s) {
       log::info("engine " + name_ + ": dropping the link from " + *key + " (finalizing)");
     } else {
       oob::send_all(link->ctrl, wire::encode_ready(), deadline);
+    }
     }
   } catch (const std::exception& e) {
     log::warn("engine " + name_ + ": handshake with " + *key + " failed: " + e.what());

@@ -28,7 +28,8 @@ std::string cma_error(int err, pid_t pid) {
   std::string s = errno_str(err);
   if (err == EPERM)
     s += ": cross-memory attach to pid " + std::to_string(pid) +
-         " is not permitted (different user, Yama ptrace_scope >= 2, or a container seccomp/ptrace policy)";
+         " is not permitted (another user; Yama ptrace_scope 1 when the peer is not our descendant, 2 or 3; or a "
+         "container seccomp profile without CAP_SYS_PTRACE)";
   else if (err == ESRCH)
     s += ": peer process " + std::to_string(pid) + " is gone";
   else if (err == EFAULT)
