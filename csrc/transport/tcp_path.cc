@@ -57,6 +57,8 @@ Io xferv(int fd, iovec* iov, size_t cnt, bool sending, Clock::time_point deadlin
       continue;
     }
     if (stop && *stop) return Io::kStopped;
+    // Also while the peer keeps up (no EAGAIN ever): a 64 MiB write must still end at its deadline.
+    if (Clock::now() >= deadline) return Io::kTimeout;
     msghdr m{};
     m.msg_iov = iov + i;
     m.msg_iovlen = std::min<size_t>(cnt - i, IOV_MAX);
