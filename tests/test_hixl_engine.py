@@ -552,3 +552,97 @@ def test_target_killed_mid_transfer_gives_failed_within_the_timeout():
         peer.stdin.close()
         peer.stdout.close()
         b.finalize()
+
+
+# ------------------------------------------------------------------ completion flags (beyond CANN)
+@pytest.mark.parametrize("last", ["async", "sync"])
+def test_flag_arrives_only_after_every_byte_of_the_earlier_requests(last):
+    """Three async WRITEs of 16 MiB chunks (long enough that the fourth is submitted while they run), then a fourth (async or sync) carrying the flag: the
+    moment the target sees the flag, all 8 MiB are already in its memory (RDMA: WRITE_WITH_IMM on
+    the same QP; shm/tcp: the flag frame follows the bytes of every earlier request on the link,
+    a flagged sync request queueing behind the async ones)."""
+    chunk = 16 * MiB
+    p = Pair(size=4 * chunk)
+    for rnd in range(3):
+        p.bbuf[:] = np.random.default_rng(rnd).integers(0, 256, p.bbuf.size, dtype=np.uint8)
+        seen = {}
+
+        def receiver():  # checks the bytes at once, in another thread than the writer
+            seen["flags"] = p.a.wait_flags(30000)
+            seen["equal"] = bool(np.array_equal(p.abuf, p.bbuf))
+
+        t = threading.Thread(target=receiver)
+        t.start()
+        reqs = []
+        for i in range(4):
+            d = [TransferOpDesc(_addr(p.bbuf) + i * chunk, _addr(p.abuf) + i * chunk, chunk)]
+            flag = (1000 + rnd) if i == 3 else None
+            if i == 3 and last == "sync":
+                assert p.b.transfer_sync(p.a.local_engine, WRITE, d, 30000, flag=flag) == SUCCESS, p.b.last_error()
+                continue
+            rc, req = p.b.transfer_async(p.a.local_engine, WRITE, d, flag=flag)
+            assert rc == SUCCESS, p.b.last_error()
+            reqs.append(req)
+        t.join(60)
+        assert not t.is_alive()
+        assert seen["flags"] == (SUCCESS, [(p.b.local_engine, 1000 + rnd)]), p.a.last_error()
+        assert seen["equal"], "the flag arrived before every byte of the earlier requests had landed"
+        for req in reqs:
+            assert p.b.transfer_wait(req, 20000) == (SUCCESS, TransferStatus.COMPLETED), p.b.last_error()
+    assert p.a.poll_flags() == (SUCCESS, [])
+    p.close()
+
+
+def test_flag_on_a_sync_write_and_the_three_ways_to_wait(pair):
+    p = pair
+    a, name = p.a, p.b.local_engine
+    d = [TransferOpDesc(_addr(p.bbuf), _addr(p.abuf), 4096)]
+    # 1. timeout: nothing pending -> empty after roughly the timeout, not before.
+    t0 = time.monotonic()
+    assert a.wait_flags(200) == (SUCCESS, [])
+    assert time.monotonic() - t0 >= 0.15
+    # 2. the event fd: not readable, then readable once a flag is pending, not after poll_flags().
+    import select
+    fd = a.flag_fd()
+    assert fd >= 0
+    assert select.select([fd], [], [], 0)[0] == []
+    assert p.b.transfer_sync(p.a.local_engine, WRITE, d, 10000, flag=2 ** 32 - 1) == SUCCESS, p.b.last_error()
+    assert select.select([fd], [], [], 10)[0] == [fd]
+    # 3. polling
+    assert a.poll_flags() == (SUCCESS, [(name, 2 ** 32 - 1)])
+    assert select.select([fd], [], [], 0)[0] == []
+    # blocking with no limit, woken by a write from another thread
+    threading.Timer(0.2, lambda: p.b.transfer_sync(p.a.local_engine, WRITE, d, 10000, flag=5)).start()
+    assert a.wait_flags(None) == (SUCCESS, [(name, 5)])
+
+
+def test_flag_refused_on_read_or_out_of_range(pair):
+    p = pair
+    d = [TransferOpDesc(_addr(p.bbuf), _addr(p.abuf), 64)]
+    assert p.b.transfer_sync(p.a.local_engine, READ, d, 1000, flag=1) == PARAM_INVALID
+    assert "flag" in p.b.last_error()
+    for bad in (-1, 2 ** 32, True, "1", 1.0):
+        assert p.b.transfer_async(p.a.local_engine, WRITE, d, flag=bad) == (PARAM_INVALID, 0), bad
+    assert p.a.wait_flags(100) == (SUCCESS, [])
+
+
+def test_transfer_wait_blocks_until_done_and_reports_once(pair):
+    p = pair
+    d = [TransferOpDesc(_addr(p.bbuf), _addr(p.abuf), 8 * MiB)]
+    rc, req = p.b.transfer_async(p.a.local_engine, WRITE, d)
+    assert rc == SUCCESS
+    assert p.b.transfer_wait(req, 30000) == (SUCCESS, TransferStatus.COMPLETED), p.b.last_error()
+    np.testing.assert_array_equal(p.abuf, p.bbuf)
+    rc, st = p.b.transfer_wait(req, 10)
+    assert rc == PARAM_INVALID and st == TransferStatus.FAILED  # already reported
+    assert p.b.transfer_wait("x", 10)[0] == PARAM_INVALID
+
+
+def test_wait_notifies_blocks_until_one_arrives(pair):
+    p = pair
+    t0 = time.monotonic()
+    assert p.a.wait_notifies(150) == (SUCCESS, [])
+    assert time.monotonic() - t0 >= 0.1
+    threading.Timer(0.2, lambda: p.b.send_notify(p.a.local_engine, NotifyDesc("n", "m"), 5000)).start()
+    rc, got = p.a.wait_notifies(20000)
+    assert rc == SUCCESS and [(n.name, n.notify_msg) for n in got] == [("n", "m")]

@@ -17,6 +17,14 @@ std::vector<OpDesc> to_descs(const DescTuples& d) {
   for (size_t i = 0; i < d.size(); ++i) out[i] = {std::get<0>(d[i]), std::get<1>(d[i]), std::get<2>(d[i])};
   return out;
 }
+// (rc, [(peer, value), ...]); built without the GIL (plain C++ values), converted by pybind11 later.
+std::pair<int, std::vector<std::pair<std::string, uint32_t>>> flag_tuples(
+    std::pair<int, std::vector<FlagEvent>> r) {
+  std::vector<std::pair<std::string, uint32_t>> out;
+  out.reserve(r.second.size());
+  for (auto& f : r.second) out.emplace_back(std::move(f.peer), f.value);
+  return {r.first, std::move(out)};
+}
 }  // namespace
 
 void hixl_bind_engine(py::module_& m) {
@@ -51,17 +59,27 @@ void hixl_bind_engine(py::module_& m) {
       .def("all_async_connect_status", &Engine::all_async_connect_status, release())
       .def(
           "transfer_sync",
-          [](Engine& e, const std::string& remote, int op, const DescTuples& d, int timeout_ms) {
-            return e.transfer_sync(remote, TransferOp(op), to_descs(d), timeout_ms);
+          [](Engine& e, const std::string& remote, int op, const DescTuples& d, int timeout_ms, int64_t flag) {
+            return e.transfer_sync(remote, TransferOp(op), to_descs(d), timeout_ms, flag);
           },
-          py::arg("remote"), py::arg("op"), py::arg("descs"), py::arg("timeout_ms"), release())
+          py::arg("remote"), py::arg("op"), py::arg("descs"), py::arg("timeout_ms"), py::arg("flag") = -1, release())
       .def(
           "transfer_async",
-          [](Engine& e, const std::string& remote, int op, const DescTuples& d, uint64_t user_data) {
-            return e.transfer_async(remote, TransferOp(op), to_descs(d), user_data);
+          [](Engine& e, const std::string& remote, int op, const DescTuples& d, uint64_t user_data, int64_t flag) {
+            return e.transfer_async(remote, TransferOp(op), to_descs(d), user_data, flag);
           },
-          py::arg("remote"), py::arg("op"), py::arg("descs"), py::arg("user_data"), release())
+          py::arg("remote"), py::arg("op"), py::arg("descs"), py::arg("user_data"), py::arg("flag") = -1, release())
       .def("transfer_status", &Engine::transfer_status, py::arg("req"), release())
+      .def("transfer_wait", &Engine::transfer_wait, py::arg("req"), py::arg("timeout_ms"), release())
+      .def(
+          "poll_flags",
+          [](Engine& e, size_t max_count) { return flag_tuples(e.poll_flags(max_count)); },
+          py::arg("max_count") = 4096, release())
+      .def(
+          "wait_flags",
+          [](Engine& e, size_t max_count, int timeout_ms) { return flag_tuples(e.wait_flags(max_count, timeout_ms)); },
+          py::arg("max_count"), py::arg("timeout_ms"), release())
+      .def_property_readonly("flag_fd", &Engine::flag_fd)
       .def(
           "all_transfer_status",
           [](Engine& e, uint64_t max_count, bool skip_waiting) {
@@ -76,11 +94,11 @@ void hixl_bind_engine(py::module_& m) {
            py::arg("timeout_ms"), release())
       .def(
           "get_notifies",
-          [](Engine& e) {
+          [](Engine& e, int wait_ms) {
             std::pair<int, std::vector<Notify>> r;
             {
               py::gil_scoped_release nogil;
-              r = e.get_notifies();
+              r = wait_ms == 0 ? e.get_notifies() : e.wait_notifies(wait_ms);
             }
             // Names and messages arrive as bytes from the peer: decode with replacement so one bad
             // sender cannot make get_notifies raise.
@@ -91,7 +109,8 @@ void hixl_bind_engine(py::module_& m) {
               out.append(py::make_tuple(name, msg));
             }
             return py::make_tuple(r.first, out);
-          })
+          },
+          py::arg("wait_ms") = 0)
       .def(
           "link_info",
           [](Engine& e, const std::string& remote) {

@@ -220,6 +220,7 @@ Engine::~Engine() {
     log::warn(std::string("Engine teardown: ") + e.what());
   }
   if (wake_fd_ >= 0) ::close(wake_fd_);  // here, not in finalize(): late wake() calls stay harmless
+  if (flag_fd_ >= 0) ::close(flag_fd_);
 }
 
 bool Engine::ready() const {
@@ -277,6 +278,11 @@ int Engine::initialize(const std::string& local_engine, const Options& opts) {
     }
     int wfd = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
     if (wfd < 0) throw_errno("eventfd", errno);
+    int ffd = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (ffd < 0) {
+      ::close(wfd);
+      throw_errno("eventfd", errno);
+    }
 
     opts_ = opts;
     pd_ = std::move(pd);
@@ -290,6 +296,7 @@ int Engine::initialize(const std::string& local_engine, const Options& opts) {
     name_ = name;
     host_ = *canonical(host);
     wake_fd_ = wfd;
+    flag_fd_ = ffd;
     stop_ = false;
     progress_ = std::thread([this] { progress_loop(); });
     state_ = State::kReady;
@@ -314,6 +321,10 @@ void Engine::finalize() {
     for (oob::Socket* hs : handshakes_) hs->shutdown();  // handshakes in flight fail now, not at their deadline
   }
   stop_ = true;
+  { std::lock_guard<std::mutex> n(notify_mu_); }  // a waiter between its check and its wait sees stop_
+  notify_cv_.notify_all();
+  { std::lock_guard<std::mutex> f(flag_mu_); }
+  flag_cv_.notify_all();
   wake();
   if (progress_.joinable()) progress_.join();
   listener_.close();
@@ -535,13 +546,22 @@ wire::Control Engine::hello_frame(wire::FrameType type, const std::shared_ptr<rd
 }
 
 void Engine::make_path(Link& link, const wire::Control& peer) {
+  // shm/tcp: a request's flag follows its bytes on the control connection. The path (and so this
+  // function) never outlives its link: remove_link() closes it, which joins its worker.
+  auto flag_sender = [l = &link](uint32_t v) {
+    wire::Control f;
+    f.type = wire::FrameType::kFlag;
+    f.status = v;
+    l->send(f, Clock::now() + milliseconds(5000));
+  };
   switch (link.transport) {
     case wire::Transport::kRdma:
-      link.path = std::make_shared<transport::RdmaPath>(link.ep);
+      link.path = std::make_shared<transport::RdmaPath>(link.ep, [this, key = link.key](uint32_t v) { push_flag(key, v); });
       break;
     case wire::Transport::kShm: {
       auto p = std::make_shared<transport::ShmPath>(pid_t(peer.pid), link.key);
       p->set_extents(peer.extents);
+      p->set_flag_sender(flag_sender);
       link.shm = p.get();
       link.path = p;
       link.ep.reset();
@@ -555,6 +575,7 @@ void Engine::make_path(Link& link, const wire::Control& peer) {
             return local_table_.find(a, len, 0) != nullptr;
           },
           &data_mu_);
+      p->set_flag_sender(flag_sender);
       link.tcp = p.get();
       link.path = p;
       link.ep.reset();
@@ -1158,11 +1179,19 @@ bool Engine::abort_link(const std::shared_ptr<Link>& link, const std::string& wh
   return confirmed;
 }
 
+int Engine::submit_checks(TransferOp op, int64_t flag, const char* call) {
+  if (flag < 0) return kSuccess;
+  if (flag > int64_t(UINT32_MAX)) return fail(kParamInvalid, std::string(call) + ": flag must be < 2^32");
+  if (op != TransferOp::kWrite) return fail(kParamInvalid, std::string(call) + ": a completion flag needs a WRITE");
+  return kSuccess;
+}
+
 int Engine::transfer_sync(const std::string& remote, TransferOp op, const std::vector<OpDesc>& descs,
-                          int timeout_ms) {
+                          int timeout_ms, int64_t flag) {
   try {
     if (!ready()) return fail(kFailed, "transfer_sync: engine is not initialized");
     if (timeout_ms <= 0) return fail(kParamInvalid, "transfer_sync: timeout_in_millis must be > 0");
+    if (int rc = submit_checks(op, flag, "transfer_sync"); rc != kSuccess) return rc;
     auto key = canonical(remote);
     if (!key) return fail(kParamInvalid, "transfer_sync: \"" + remote + "\" is not an engine address");
     auto deadline = Clock::now() + milliseconds(timeout_ms);
@@ -1175,7 +1204,8 @@ int Engine::transfer_sync(const std::string& remote, TransferOp op, const std::v
     transport::Op top = op == TransferOp::kWrite ? transport::Op::kWrite : transport::Op::kRead;
     rdma::RequestResult r;
     try {
-      uint64_t id = link->path->submit(top, rd, std::max(left_until(deadline), milliseconds(1)));
+      uint64_t id = link->path->submit(top, rd, std::max(left_until(deadline), milliseconds(1)),
+                                       flag < 0 ? transport::Flag() : transport::Flag(uint32_t(flag)));
       r = link->path->wait(id, left_until(deadline));
     } catch (const Error& e) {
       remove_link(link, std::string("transfer failed: ") + e.what());
@@ -1199,9 +1229,10 @@ int Engine::transfer_sync(const std::string& remote, TransferOp op, const std::v
 }
 
 std::pair<int, uint64_t> Engine::transfer_async(const std::string& remote, TransferOp op,
-                                                const std::vector<OpDesc>& descs, uint64_t user_data) {
+                                                const std::vector<OpDesc>& descs, uint64_t user_data, int64_t flag) {
   try {
     if (!ready()) return {fail(kFailed, "transfer_async: engine is not initialized"), 0};
+    if (int rc = submit_checks(op, flag, "transfer_async"); rc != kSuccess) return {rc, 0};
     auto key = canonical(remote);
     if (!key) return {fail(kParamInvalid, "transfer_async: \"" + remote + "\" is not an engine address"), 0};
     std::shared_ptr<Link> link;
@@ -1213,7 +1244,7 @@ std::pair<int, uint64_t> Engine::transfer_async(const std::string& remote, Trans
     uint64_t ep_req;
     try {
       ep_req = link->path->submit(op == TransferOp::kWrite ? transport::Op::kWrite : transport::Op::kRead, rd,
-                                  milliseconds(-1));
+                                  milliseconds(-1), flag < 0 ? transport::Flag() : transport::Flag(uint32_t(flag)));
     } catch (const Error& e) {
       remove_link(link, std::string("transfer failed: ") + e.what());
       return {fail(kFailed, "transfer_async to " + *key + ": " + e.what()), 0};
@@ -1246,6 +1277,30 @@ std::pair<int, int> Engine::transfer_status(uint64_t req) {
     return {ok(), int(res.status)};
   } catch (const std::exception& e) {
     return {fail(kFailed, "get_transfer_status: " + std::string(e.what())), int(TransferStatus::kFailed)};
+  }
+}
+
+std::pair<int, int> Engine::transfer_wait(uint64_t req, int timeout_ms) {
+  try {
+    std::shared_ptr<transport::DataPath> path;
+    uint64_t path_req = 0;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      if (state_ != State::kReady) return {fail(kFailed, "transfer_wait: engine is not initialized"), 0};
+      auto it = reqs_.find(req);
+      if (it != reqs_.end()) {
+        path = it->second.link->path;
+        path_req = it->second.ep_req;
+      }
+    }
+    // Wait without the engine lock and without consuming the status: transfer_status() below takes
+    // it exactly once, as for any poller.
+    if (path) path->wait_done(path_req, milliseconds(timeout_ms));
+    auto r = transfer_status(req);
+    if (r.first != kSuccess) t_last_error = "transfer_wait: " + t_last_error;
+    return r;
+  } catch (const std::exception& e) {
+    return {fail(kFailed, "transfer_wait: " + std::string(e.what())), int(TransferStatus::kFailed)};
   }
 }
 
@@ -1313,6 +1368,67 @@ int Engine::send_notify(const std::string& remote, const std::string& name, cons
   }
 }
 
+std::pair<int, std::vector<Notify>> Engine::wait_notifies(int timeout_ms) {
+  if (!ready()) return {fail(kFailed, "wait_notifies: engine is not initialized"), {}};
+  {
+    std::unique_lock<std::mutex> lk(notify_mu_);
+    auto pred = [&] { return !inbox_.empty() || stop_; };
+    if (timeout_ms < 0)
+      notify_cv_.wait(lk, pred);
+    else
+      notify_cv_.wait_for(lk, milliseconds(timeout_ms), pred);
+  }
+  return get_notifies();
+}
+
+void Engine::push_flag(const std::string& peer, uint32_t value) {
+  std::lock_guard<std::mutex> g(flag_mu_);
+  if (flags_.size() >= kMaxPendingFlags) {
+    log::error("engine " + name_ + ": " + std::to_string(flags_.size()) + " completion flags pending, nobody reads "
+               "them: dropping flag " + std::to_string(value) + " from " + peer);
+    return;
+  }
+  if (flags_.empty()) {
+    uint64_t one = 1;
+    ssize_t rc = ::write(flag_fd_, &one, sizeof one);
+    (void)rc;
+  }
+  flags_.push_back({peer, value});
+  flag_cv_.notify_all();
+}
+
+std::vector<FlagEvent> Engine::take_flags_locked(size_t max) {
+  std::vector<FlagEvent> out;
+  while (!flags_.empty() && out.size() < max) {
+    out.push_back(std::move(flags_.front()));
+    flags_.pop_front();
+  }
+  if (flags_.empty() && !out.empty()) {
+    uint64_t v;
+    ssize_t rc = ::read(flag_fd_, &v, sizeof v);  // back to "not readable"
+    (void)rc;
+  }
+  return out;
+}
+
+std::pair<int, std::vector<FlagEvent>> Engine::poll_flags(size_t max) {
+  if (!ready()) return {fail(kFailed, "poll_flags: engine is not initialized"), {}};
+  std::lock_guard<std::mutex> g(flag_mu_);
+  return {ok(), take_flags_locked(max)};
+}
+
+std::pair<int, std::vector<FlagEvent>> Engine::wait_flags(size_t max, int timeout_ms) {
+  if (!ready()) return {fail(kFailed, "wait_flags: engine is not initialized"), {}};
+  std::unique_lock<std::mutex> lk(flag_mu_);
+  auto pred = [&] { return !flags_.empty() || stop_; };
+  if (timeout_ms < 0)
+    flag_cv_.wait(lk, pred);
+  else
+    flag_cv_.wait_for(lk, milliseconds(timeout_ms), pred);
+  if (stop_) return {fail(kFailed, "wait_flags: engine finalized"), {}};
+  return {ok(), take_flags_locked(max)};
+}
+
 std::pair<int, std::vector<Notify>> Engine::get_notifies() {
   if (!ready()) return {fail(kFailed, "get_notifies: engine is not initialized"), {}};
   std::lock_guard<std::mutex> g(notify_mu_);
@@ -1341,6 +1457,7 @@ void Engine::handle_frame(const std::shared_ptr<Link>& link, const wire::Control
           ++unread;
           inbox_.push_back({c.name, c.text});
           ack.status = kSuccess;
+          notify_cv_.notify_all();
         }
       }
       link->send(ack, until);
@@ -1375,6 +1492,7 @@ void Engine::handle_frame(const std::shared_ptr<Link>& link, const wire::Control
       break;
     }
     case wire::FrameType::kBye: remove_link(link, "peer disconnected: " + c.text); break;
+    case wire::FrameType::kFlag: push_flag(link->key, c.status); break;
     default: throw Error("unexpected control frame type " + std::to_string(int(c.type)));
   }
 }

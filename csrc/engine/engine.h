@@ -88,6 +88,14 @@ struct Notify {
   std::string msg;
 };
 
+// A completion flag a peer attached to a WRITE: it arrives after every byte of that write (and of
+// every earlier request on the link) is in our memory.
+struct FlagEvent {
+  std::string peer;  // canonical name of the engine that wrote
+  uint32_t value = 0;
+};
+constexpr size_t kMaxPendingFlags = 1u << 20;  // beyond that, flags are dropped with an error logged
+
 struct LinkInfo {
   std::string remote;
   std::string transport;  // "rdma", "shm" or "tcp"
@@ -120,14 +128,28 @@ class Engine {
   std::pair<int, int> async_connect_status(const std::string& remote);
   std::pair<int, std::vector<std::pair<std::string, int>>> all_async_connect_status();
 
-  int transfer_sync(const std::string& remote, TransferOp op, const std::vector<OpDesc>& descs, int timeout_ms);
+  // flag >= 0 (WRITE only, < 2^32): the peer receives it as a completion flag once the bytes landed.
+  int transfer_sync(const std::string& remote, TransferOp op, const std::vector<OpDesc>& descs, int timeout_ms,
+                    int64_t flag = -1);
   std::pair<int, uint64_t> transfer_async(const std::string& remote, TransferOp op, const std::vector<OpDesc>& descs,
-                                          uint64_t user_data);
+                                          uint64_t user_data, int64_t flag = -1);
   std::pair<int, int> transfer_status(uint64_t req);
+  // Blocks up to timeout_ms (< 0: no limit) for the request to end, then reports like
+  // transfer_status(); WAITING (and the request kept) when the time passed first.
+  std::pair<int, int> transfer_wait(uint64_t req, int timeout_ms);
   std::pair<int, std::vector<TransferResult>> all_transfer_status(uint64_t max_count, bool skip_waiting);
 
   int send_notify(const std::string& remote, const std::string& name, const std::string& msg, int timeout_ms);
   std::pair<int, std::vector<Notify>> get_notifies();
+  // Blocks up to timeout_ms (< 0: no limit) until at least one notify is there, then get_notifies().
+  std::pair<int, std::vector<Notify>> wait_notifies(int timeout_ms);
+
+  // Completion flags from peers, oldest first. poll: what is there now; wait: blocks up to
+  // timeout_ms (< 0: no limit) for at least one (empty on timeout). flag_fd(): an eventfd that is
+  // readable while flags are pending (for select/poll/asyncio); -1 before initialize().
+  std::pair<int, std::vector<FlagEvent>> poll_flags(size_t max);
+  std::pair<int, std::vector<FlagEvent>> wait_flags(size_t max, int timeout_ms);
+  int flag_fd() const { return flag_fd_; }
 
   // Beyond CANN.
   std::string local_engine() const;     // canonical "ip:port" (the bound port), or "ip" (client only)
@@ -171,6 +193,9 @@ class Engine {
   void serve_incoming(oob::Socket s);
   void handle_frame(const std::shared_ptr<Link>& link, const wire::Control& c);
   void spawn(std::function<void()> fn);  // throws hixl::Error once finalize() began
+  void push_flag(const std::string& peer, uint32_t value);
+  std::vector<FlagEvent> take_flags_locked(size_t max);
+  int submit_checks(TransferOp op, int64_t flag, const char* call);
   void wake();
   bool ready() const;
 
@@ -215,8 +240,14 @@ class Engine {
   uint64_t next_req_ = 1;
 
   std::mutex notify_mu_;
+  std::condition_variable notify_cv_;
   std::deque<Notify> inbox_;
   std::map<std::string, size_t> unread_;        // peer -> unread notifies (kept across reconnects)
+
+  std::mutex flag_mu_;
+  std::condition_variable flag_cv_;
+  std::deque<FlagEvent> flags_;
+  int flag_fd_ = -1;  // eventfd: counter > 0 exactly while flags_ is not empty
 
   oob::Socket listener_;
   int wake_fd_ = -1;

@@ -84,6 +84,7 @@ std::vector<wire::Control> samples() {
   c = {}; c.type = wire::FrameType::kRegions; c.seq = 0; c.version = 42; c.regions = hello_with(4).regions;
   c.extents = {{0x2000, 4096, 0, 5}, {0x9000, 100, 4096, 6}}; v.push_back(c);
   c = {}; c.type = wire::FrameType::kAttach; c.instance = 5; c.name = "1.2.3.4:5"; c.direction = 1; v.push_back(c);
+  c = {}; c.type = wire::FrameType::kFlag; c.status = 0xdeadbeef; v.push_back(c);
   c = {}; c.type = wire::FrameType::kRegionsReq; c.seq = 3; v.push_back(c);
   c = {}; c.type = wire::FrameType::kAbort; c.seq = 4; c.text = "timeout"; v.push_back(c);
   c = {}; c.type = wire::FrameType::kAbortAck; c.seq = 4; v.push_back(c);

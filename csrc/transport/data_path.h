@@ -3,13 +3,16 @@
 // The engine validates every range before it calls submit(); a path only moves bytes.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -23,6 +26,9 @@ using Status = rdma::Status;
 using Result = rdma::RequestResult;
 enum class Op : int { kRead = 0, kWrite = 1 };
 using Clock = std::chrono::steady_clock;
+using Flag = std::optional<uint32_t>;
+// Where a path delivers completion flags that arrive with the data (RDMA immediates).
+using FlagSink = std::function<void(uint32_t)>;
 
 class DataPath {
  public:
@@ -30,41 +36,57 @@ class DataPath {
   virtual const char* name() const = 0;
   // Starts a request. timeout < 0: asynchronous, no deadline; otherwise the request must end by then
   // (the caller waits for it right away). Throws hixl::Error when the path is unusable.
-  virtual uint64_t submit(Op op, const std::vector<Desc>& descs, std::chrono::milliseconds timeout) = 0;
+  // flag (writes only): a completion flag the peer receives after every byte of this request, and of
+  // every request submitted before it on this path, is in its memory (RDMA: WRITE_WITH_IMM on the
+  // last work request; shm/tcp: a Flag control frame once the bytes landed).
+  virtual uint64_t submit(Op op, const std::vector<Desc>& descs, std::chrono::milliseconds timeout,
+                          Flag flag) = 0;
   // Non-blocking. A terminal status is returned once, then the request is forgotten; unknown -> FAILED.
   virtual Result status(uint64_t req) = 0;
   // Up to timeout; WAITING when it passed.
   virtual Result wait(uint64_t req, std::chrono::milliseconds timeout) = 0;
+  // Up to timeout (< 0: none) for a terminal status, which is left for status(); false on timeout.
+  virtual bool wait_done(uint64_t req, std::chrono::milliseconds timeout) = 0;
   // After close() returns no byte of ours reaches the peer's memory any more, and nothing the peer
   // sends is applied to ours. Requests in flight end FAILED. Idempotent.
   virtual void close() = 0;
 };
 
 // RDMA: a thin adapter over rdma::Endpoint (which already has requests, deadlines and close()).
+// A thread of its own waits on the receive completion channel and hands the peer's immediates
+// (its completion flags) to `sink`; close() joins it.
 class RdmaPath final : public DataPath {
  public:
-  explicit RdmaPath(std::shared_ptr<rdma::Endpoint> ep) : ep_(std::move(ep)) {}
+  RdmaPath(std::shared_ptr<rdma::Endpoint> ep, FlagSink sink);
+  ~RdmaPath() override;
   const char* name() const override { return "rdma"; }
-  uint64_t submit(Op op, const std::vector<Desc>& d, std::chrono::milliseconds timeout) override {
-    return ep_->submit(op == Op::kWrite ? rdma::Op::kWrite : rdma::Op::kRead, d, 0, timeout);
-  }
+  uint64_t submit(Op op, const std::vector<Desc>& d, std::chrono::milliseconds timeout, Flag flag) override;
   Result status(uint64_t req) override { return ep_->status(req); }
   Result wait(uint64_t req, std::chrono::milliseconds timeout) override { return ep_->wait(req, timeout); }
-  void close() override { ep_->close(); }
+  bool wait_done(uint64_t req, std::chrono::milliseconds timeout) override { return ep_->wait_done(req, timeout); }
+  void close() override;
 
  private:
   std::shared_ptr<rdma::Endpoint> ep_;
+  FlagSink sink_;
+  std::atomic<bool> stop_{false};
+  std::thread flags_;
+  std::mutex join_mu_;
 };
 
 // Paths whose bytes are moved by a CPU on this side (same-host, TCP): synchronous requests run in the
-// caller's thread; asynchronous ones are queued to one worker thread per link, in order.
+// caller's thread; asynchronous ones are queued to one worker thread per link, in order. A request's
+// flag goes out through the sender (the engine: a Flag frame on the link's control connection) once
+// execute() completed, before the request reports COMPLETED.
 class QueuedPath : public DataPath {
  public:
   ~QueuedPath() override;
-  uint64_t submit(Op op, const std::vector<Desc>& descs, std::chrono::milliseconds timeout) override;
+  uint64_t submit(Op op, const std::vector<Desc>& descs, std::chrono::milliseconds timeout, Flag flag) override;
   Result status(uint64_t req) override;
   Result wait(uint64_t req, std::chrono::milliseconds timeout) override;
+  bool wait_done(uint64_t req, std::chrono::milliseconds timeout) override;
   void close() override;
+  void set_flag_sender(FlagSink send) { flag_sender_ = std::move(send); }  // before the first submit
 
  protected:
   // Moves the bytes; returns kCompleted, kFailed (with error) or kTimeout at the deadline (and then
@@ -83,13 +105,18 @@ class QueuedPath : public DataPath {
     uint64_t id;
     Op op;
     std::vector<Desc> descs;
+    Flag flag;
+    Clock::time_point deadline;
   };
   void worker_loop();
+  Result run(const Job& job);  // under run_mu_
+  FlagSink flag_sender_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::mutex run_mu_;  // one execute() at a time: requests of a link run in submission order
   std::mutex join_mu_;
   bool closed_ = false;
+  bool worker_busy_ = false;  // the worker took a job and has not reported it yet
   uint64_t next_id_ = 1;
   std::deque<Job> queue_;
   std::map<uint64_t, Result> done_;

@@ -505,17 +505,23 @@ uint64_t Endpoint::submit(Op op, const std::vector<Desc>& descs, uint32_t imm, m
   return id;
 }
 
-RequestResult Endpoint::status_locked(uint64_t id) {
+bool Endpoint::done_locked(uint64_t id) {
   if (connected_ && !closed_) progress_locked(int(sq_depth_));
   auto it = reqs_.find(id);
-  if (it == reqs_.end()) return {Status::kFailed, "unknown request " + std::to_string(id)};
+  if (it == reqs_.end()) return true;
   Req& r = it->second;
   if (r.status == Status::kWaiting && r.deadline != Clock::time_point::max() && Clock::now() >= r.deadline) {
     r.status = Status::kTimeout;
     r.error = "request " + std::to_string(id) + " passed its deadline";
   }
-  if (r.status == Status::kWaiting) return {Status::kWaiting, ""};
-  RequestResult out{r.status, r.error};
+  return r.status != Status::kWaiting;
+}
+
+RequestResult Endpoint::status_locked(uint64_t id) {
+  if (!done_locked(id)) return {Status::kWaiting, ""};
+  auto it = reqs_.find(id);
+  if (it == reqs_.end()) return {Status::kFailed, "unknown request " + std::to_string(id)};
+  RequestResult out{it->second.status, it->second.error};
   reqs_.erase(it);
   return out;
 }
@@ -525,20 +531,24 @@ RequestResult Endpoint::status(uint64_t id) {
   return status_locked(id);
 }
 
-RequestResult Endpoint::wait(uint64_t id, milliseconds timeout) {
+bool Endpoint::wait_done(uint64_t id, milliseconds timeout) {
   auto deadline = deadline_after(timeout);
   auto spin_until = Clock::now() + std::chrono::microseconds(opts_.busy_poll_us);
   std::unique_lock<std::mutex> lk(mu_);
   for (;;) {
-    RequestResult r = status_locked(id);
-    if (r.status != Status::kWaiting) return r;
+    if (done_locked(id)) return true;
     if (Clock::now() < spin_until) {  // busy poll: drop the lock so others can post meanwhile
       lk.unlock();
       lk.lock();
       continue;
     }
-    if (closed_ || !block_locked(lk, deadline)) return status_locked(id);
+    if (closed_ || !block_locked(lk, deadline)) return done_locked(id);
   }
+}
+
+RequestResult Endpoint::wait(uint64_t id, milliseconds timeout) {
+  wait_done(id, timeout);
+  return status(id);
 }
 
 void Endpoint::post_recvs(uint32_t n) {

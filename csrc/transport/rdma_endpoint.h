@@ -108,6 +108,9 @@ class Endpoint {
   // Waits for a terminal status up to timeout (busy poll, then the completion channel).
   // On timeout returns kWaiting and keeps the request.
   RequestResult wait(uint64_t req, std::chrono::milliseconds timeout);
+  // Like wait(), but leaves the terminal status to be collected by status(): true once it is there
+  // (or the request is unknown), false when the timeout passed first.
+  bool wait_done(uint64_t req, std::chrono::milliseconds timeout);
   // Polls the send CQ up to budget completions; returns how many were reaped.
   int progress(int budget = 64);
 
@@ -116,6 +119,7 @@ class Endpoint {
   std::optional<uint32_t> wait_imm(std::chrono::milliseconds timeout);
 
   bool dead() const { return dead_; }
+  bool closed() const { return closed_; }
   std::string dead_reason() const;
   Stats stats() const;
   uint32_t sq_depth() const { return sq_depth_; }
@@ -136,6 +140,7 @@ class Endpoint {
   void retire_completed_locked();
   void mark_dead_locked(const std::string& why);
   RequestResult status_locked(uint64_t req);
+  bool done_locked(uint64_t req);  // terminal (or unknown) without consuming it
   // Sleeps (mu_ released) until completions may have moved or the deadline; false once it passed.
   bool block_locked(std::unique_lock<std::mutex>& lk, std::chrono::steady_clock::time_point deadline);
   void fail_all_locked(const std::string& why);

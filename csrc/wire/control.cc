@@ -108,6 +108,7 @@ std::vector<uint8_t> encode_control(const Control& c) {
     case FrameType::kAbort: w.u64(c.seq); put_str(w, c.text); break;
     case FrameType::kBye: put_str(w, c.text); break;
     case FrameType::kAttach: w.u64(c.instance); put_str(w, c.name); w.u32(c.direction); break;
+    case FrameType::kFlag: w.u32(c.status); break;
     default: break;
   }
   return encode_frame(c.type, w.buf());
@@ -166,6 +167,7 @@ Control parse_control(FrameType type, const uint8_t* payload, size_t len) {
       c.direction = r.u32("direction");
       if (c.direction > 1) throw Error("wire: control: attach direction " + std::to_string(c.direction));
       break;
+    case FrameType::kFlag: c.status = r.u32("flag"); break;
     default: break;
   }
   if (r.remaining() != 0)

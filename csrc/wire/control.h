@@ -19,6 +19,8 @@
 //   Abort      u64 seq, str reason      AbortAck  u64 seq
 //   Bye        str reason
 //   Attach     u64 instance, str name, u32 direction (TCP transport: a data connection of that link)
+//   Flag       u32 value (a completion flag, sent after the bytes of the transfer it completes landed:
+//              the shm/tcp counterpart of RDMA WRITE_WITH_IMM's immediate)
 // A payload must be consumed exactly; strings are bounded (kMaxName / kMaxText) before copying.
 #pragma once
 
@@ -49,7 +51,7 @@ constexpr size_t kMaxText = 64 * 1024;  // notify messages, reasons
 struct Control {
   FrameType type = FrameType::kBye;
   uint64_t seq = 0;
-  uint32_t status = 0;                  // Refuse, NotifyAck
+  uint32_t status = 0;                  // Refuse, NotifyAck; Flag: the flag value
   Transport transport = Transport::kNone;  // Connect, Accept
   uint32_t offers = 0;                  // Connect, Accept: transport bits the sender can use
   std::string boot_id;                  // Connect, Accept: same value = same host

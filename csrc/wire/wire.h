@@ -26,9 +26,9 @@ constexpr size_t kHelloFixed = 4 + 4 + 2 + 1 + 1 + 16 + 4 + 4;
 enum class FrameType : uint16_t {
   kHello = 1, kReady = 2, kReject = 3,
   kConnect = 4, kAccept = 5, kRefuse = 6, kNotify = 7, kNotifyAck = 8, kRegions = 9, kRegionsReq = 10,
-  kAbort = 11, kAbortAck = 12, kBye = 13, kAttach = 14,
+  kAbort = 11, kAbortAck = 12, kBye = 13, kAttach = 14, kFlag = 15,
 };
-constexpr FrameType kLastFrameType = FrameType::kAttach;
+constexpr FrameType kLastFrameType = FrameType::kFlag;
 
 // Access bits advertised for a region (independent of ibv_access_flags values).
 enum RegionAccess : uint32_t { kRemoteRead = 1, kRemoteWrite = 2 };

@@ -96,6 +96,17 @@ class Hixl:
     def _timeout(self, v: Any) -> Optional[int]:
         return _int(v, 1, _INT32_MAX)
 
+    def _wait_ms(self, v: Any) -> Optional[int]:
+        """None -> -1 (no limit); else 0..2**31-1 ms."""
+        return -1 if v is None else _int(v, 0, _INT32_MAX)
+
+    def _flag(self, v: Any, op: int) -> Optional[int]:
+        """None -> -1 (no flag); a u32 with a WRITE -> itself; anything else None."""
+        if v is None:
+            return -1
+        f = _int(v, 0, 2 ** 32 - 1)
+        return f if f is not None and op == int(TransferOp.WRITE) else None
+
     def _remote(self, remote: Any) -> Optional[str]:
         # Parsing an address costs microseconds; a transfer loop names the same few peers again and again.
         if isinstance(remote, str) and remote in self._good_remotes:
@@ -249,9 +260,13 @@ class Hixl:
 
     # ----------------------------------------------------------------- transfers
     def transfer_sync(self, remote_engine: str, op: Any, op_descs: Sequence[Any],
-                      timeout_in_millis: int = _DEFAULT_TIMEOUT_MS) -> int:
+                      timeout_in_millis: int = _DEFAULT_TIMEOUT_MS, *, flag: Optional[int] = None) -> int:
         """One-sided READ/WRITE of the peer's registered memory; TIMEOUT tears the link down
-        so that no write of this call can land afterwards."""
+        so that no write of this call can land afterwards.
+
+        ``flag`` (beyond CANN, WRITE only, u32): the peer receives it from :meth:`wait_flags` /
+        :meth:`poll_flags` once every byte of this write, and of every earlier request to it, is in
+        its memory (RDMA: WRITE_WITH_IMM; shm/tcp: a flag frame sent after the bytes landed)."""
         try:
             if self._finalized:
                 return FAILED
@@ -267,13 +282,17 @@ class Hixl:
             t = self._timeout(timeout_in_millis)
             if t is None:
                 return self._refuse("transfer_sync: timeout_in_millis %r must be in 1..2**31-1" % (timeout_in_millis,))
-            return self._done(self._engine.transfer_sync(remote_engine, o, descs, t))
+            f = self._flag(flag, o)
+            if f is None:
+                return self._refuse("transfer_sync: flag %r must be None or a u32, with op WRITE" % (flag,))
+            return self._done(self._engine.transfer_sync(remote_engine, o, descs, t, f))
         except Exception as e:
             return self._failed("transfer_sync", e)
 
     def transfer_async(self, remote_engine: str, op: Any, op_descs: Sequence[Any],
-                       optional_args: Any = None) -> Tuple[int, int]:
-        """``(SUCCESS, req)``; req is 0 on failure. Poll it with :meth:`get_transfer_status`."""
+                       optional_args: Any = None, *, flag: Optional[int] = None) -> Tuple[int, int]:
+        """``(SUCCESS, req)``; req is 0 on failure. Poll it with :meth:`get_transfer_status` or
+        block on it with :meth:`transfer_wait`. ``flag``: as for :meth:`transfer_sync`."""
         try:
             if self._finalized:
                 return FAILED, 0
@@ -290,7 +309,10 @@ class Hixl:
             ud = _int(getattr(args, "user_data", None), 0, _U64_MAX)
             if ud is None:
                 return self._refuse("transfer_async: user_data must be a u64"), 0
-            rc, req = self._engine.transfer_async(remote_engine, o, descs, ud)
+            f = self._flag(flag, o)
+            if f is None:
+                return self._refuse("transfer_async: flag %r must be None or a u32, with op WRITE" % (flag,)), 0
+            rc, req = self._engine.transfer_async(remote_engine, o, descs, ud, f)
             return self._done(rc), req
         except Exception as e:
             return self._failed("transfer_async", e), 0
@@ -354,6 +376,71 @@ class Hixl:
             return self._failed("get_notifies", e), []
 
     # ------------------------------------------------------------ beyond CANN
+    def transfer_wait(self, req: Any, timeout_in_millis: Optional[int] = None) -> Tuple[int, TransferStatus]:
+        """Blocks (GIL released) until request ``req`` ends or the timeout (None: no limit) passes,
+        then answers like :meth:`get_transfer_status`: WAITING (request kept) on timeout."""
+        try:
+            if self._finalized:
+                return FAILED, TransferStatus.FAILED
+            r, t = _int(req, 0, _U64_MAX), self._wait_ms(timeout_in_millis)
+            if r is None or t is None:
+                return self._refuse("transfer_wait: req must be an int, timeout None or 0..2**31-1 ms"), \
+                    TransferStatus.FAILED
+            rc, st = self._engine.transfer_wait(r, t)
+            return self._done(rc), TransferStatus(st)
+        except Exception as e:
+            return self._failed("transfer_wait", e), TransferStatus.FAILED
+
+    def wait_notifies(self, timeout_in_millis: Optional[int] = None) -> Tuple[int, List[NotifyDesc]]:
+        """Like :meth:`get_notifies`, but blocks (GIL released) until at least one notify is there
+        or the timeout (None: no limit) passes (then an empty list)."""
+        try:
+            if self._finalized:
+                return FAILED, []
+            t = self._wait_ms(timeout_in_millis)
+            if t is None:
+                return self._refuse("wait_notifies: timeout must be None or 0..2**31-1 ms"), []
+            rc, rows = self._engine.get_notifies(t if t != 0 else 1)
+            return self._done(rc), [NotifyDesc(name=n, notify_msg=m) for n, m in rows]
+        except Exception as e:
+            return self._failed("wait_notifies", e), []
+
+    def poll_flags(self, max_count: int = 4096) -> Tuple[int, List[Tuple[str, int]]]:
+        """Completion flags received so far (``(peer, value)``, oldest first); never blocks."""
+        try:
+            if self._finalized:
+                return FAILED, []
+            m = _int(max_count, 1, _U64_MAX)
+            if m is None:
+                return self._refuse("poll_flags: max_count must be a positive int"), []
+            rc, rows = self._engine.poll_flags(m)
+            return self._done(rc), list(rows)
+        except Exception as e:
+            return self._failed("poll_flags", e), []
+
+    def wait_flags(self, timeout_in_millis: Optional[int] = None,
+                   max_count: int = 4096) -> Tuple[int, List[Tuple[str, int]]]:
+        """Blocks (GIL released) until at least one completion flag is there or the timeout
+        (None: no limit) passes (then ``(SUCCESS, [])``)."""
+        try:
+            if self._finalized:
+                return FAILED, []
+            t, m = self._wait_ms(timeout_in_millis), _int(max_count, 1, _U64_MAX)
+            if t is None or m is None:
+                return self._refuse("wait_flags: timeout None or 0..2**31-1 ms, max_count a positive int"), []
+            rc, rows = self._engine.wait_flags(m, t)
+            return self._done(rc), list(rows)
+        except Exception as e:
+            return self._failed("wait_flags", e), []
+
+    def flag_fd(self) -> int:
+        """An eventfd that is readable while completion flags are pending (for select/poll/asyncio:
+        wait on it, then :meth:`poll_flags`); -1 when not initialized."""
+        try:
+            return -1 if self._finalized else int(self._engine.flag_fd)
+        except Exception:
+            return -1
+
     @property
     def local_engine(self) -> str:
         """This engine's canonical address (with the bound port when it listens)."""
