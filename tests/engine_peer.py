@@ -1,6 +1,6 @@
 """A hixl.Hixl peer in its own process, for tests that kill it or restrict it.
 
-Usage: python3 tests/engine_peer.py TRANSPORT SIZE [--no-cma] [--write-to NAME ADDR]
+Usage: python3 tests/engine_peer.py TRANSPORT SIZE [--no-cma] [--write-to NAME ADDR] [--port N]
 
 Serving (default): registers SIZE bytes of numpy memory, prints one JSON line {"name", "addr",
 "len"}, then serves until it is killed or stdin closes.
@@ -26,12 +26,13 @@ def main() -> None:
     ap.add_argument("size", type=int)
     ap.add_argument("--no-cma", action="store_true")
     ap.add_argument("--write-to", nargs=2, metavar=("NAME", "ADDR"))
+    ap.add_argument("--port", type=int, default=0, help="listen on this port (default: any free one)")
     a = ap.parse_args()
     if a.no_cma:
         import no_cma
         no_cma.forbid_cross_memory_attach()
     e = hixl.Hixl()
-    rc = e.initialize("127.0.0.1:0", {"HixlTransport": a.transport})
+    rc = e.initialize("127.0.0.1:%d" % a.port, {"HixlTransport": a.transport})
     if rc != hixl.SUCCESS:
         sys.exit("initialize: %s" % e.last_error())
     buf = (np.arange(a.size) % 251).astype(np.uint8) if a.write_to else np.zeros(a.size, np.uint8)

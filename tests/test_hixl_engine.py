@@ -557,10 +557,11 @@ def test_target_killed_mid_transfer_gives_failed_within_the_timeout():
 # ------------------------------------------------------------------ completion flags (beyond CANN)
 @pytest.mark.parametrize("last", ["async", "sync"])
 def test_flag_arrives_only_after_every_byte_of_the_earlier_requests(last):
-    """Three async WRITEs of 16 MiB chunks (long enough that the fourth is submitted while they run), then a fourth (async or sync) carrying the flag: the
-    moment the target sees the flag, all 8 MiB are already in its memory (RDMA: WRITE_WITH_IMM on
-    the same QP; shm/tcp: the flag frame follows the bytes of every earlier request on the link,
-    a flagged sync request queueing behind the async ones)."""
+    """Three async WRITEs of 16 MiB chunks (long enough that the fourth is submitted while they
+    run), then a fourth (async or sync) carrying the flag: the moment the target sees the flag, all
+    64 MiB are already in its memory (RDMA: WRITE_WITH_IMM on the same QP; shm/tcp: the flag frame
+    follows the bytes of every earlier request on the link, a flagged sync request queueing behind
+    the async ones)."""
     chunk = 16 * MiB
     p = Pair(size=4 * chunk)
     for rnd in range(3):
