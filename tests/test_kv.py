@@ -410,3 +410,44 @@ def test_bad_grants_are_refused_before_anything_moves(rig):
         tx.push("r", 6)
     with pytest.raises(ValueError):
         tx.push("r", 0, aux=bytes(10 ** 4))
+
+
+def test_complete_later_and_each_target_keeps_its_own_aux(rig):
+    """complete=False: every layer travels, no flag; complete() then sends aux + flag. Two shards
+    completed at different times with different aux bytes each get their own."""
+    rng = np.random.default_rng(21)
+    tx = rig.sender()
+    d0, d1, d2 = rig.receiver(), rig.receiver(), rig.receiver()
+    data = _kv(rng, 7)
+    tx.allocate("r", 7)
+    tx.add_target("r", d0.allocate("r", 7, layers=(0, 3)))
+    tx.add_target("r", d1.allocate("r", 7, layers=(3, 6)))
+    for layer, (k, v) in enumerate(data):
+        tx.store("r", layer, k, v)
+    tx.push("r", [0, 1, 2], aux=b"first shard")  # completes d0 with its aux
+    tx.push("r", [3, 4, 5], aux=b"second")       # completes d1; must not change what d0 got
+    for r in (d0, d1):
+        r.wait("r", 60)
+    assert d0.aux("r")[:11] == b"first shard" and d1.aux("r")[:7] == b"second\0"
+    _check(d0, "r", data, (0, 3))
+    _check(d1, "r", data, (3, 6))
+    tx.flush("r", 60)
+    tx.release("r")
+    # complete=False, then complete(aux=...)
+    tx.allocate("q", 7)
+    tx.add_target("q", d2.allocate("q", 7))
+    for layer, (k, v) in enumerate(data):
+        tx.store("q", layer, k, v)
+        tx.push("q", layer, complete=False)
+        if layer == 2:
+            with pytest.raises(kv.KVError, match="not pushed yet"):
+                tx.complete("q")
+    tx.flush("q", 60)
+    with pytest.raises(kv.KVTimeout):
+        d2.wait("q", 0.2)  # every byte is there, but no flag yet
+    tx.complete("q", aux=struct.pack("<i", 77))
+    d2.wait("q", 60)
+    assert struct.unpack_from("<i", d2.aux("q")) == (77,)
+    _check(d2, "q", data)
+    tx.flush("q", 60)
+    assert tx.stats("q")["flagged"] and tx.complete("q") == 0  # nothing left to flag

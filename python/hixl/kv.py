@@ -204,7 +204,7 @@ class KVPool:
             self._free_memory()
             raise KVError(f"KVPool: register_mem({self.nbytes} bytes) failed: {err}", rc)
         self.blocks = _Ids(num_blocks, "blocks")
-        self.aux_slots = _Ids(self.max_requests, "request slots")
+        self.aux_slots = _Ids(self.max_requests, "aux slots")
 
     # The one place where (layer, K|V, block, token) becomes a byte offset.
     def offset(self, layer: int, kv: int, block: int, token: int = 0) -> int:
@@ -569,18 +569,20 @@ class KVReceiver:
 
 # ------------------------------------------------------------------------------------ prefill side
 class _Target:
-    __slots__ = ("grant", "pushed", "flagged")
+    __slots__ = ("grant", "pushed", "flagged", "aux_slot")
 
-    def __init__(self, grant: Grant):
+    def __init__(self, grant: Grant, aux_slot: int):
         self.grant, self.pushed, self.flagged = grant, set(), False
+        self.aux_slot = aux_slot  # our staging slot for this target's aux bytes (one per target: an
+        # earlier target's aux transfer may still be reading its slot when a later one is staged)
 
 
 class _Request:
-    __slots__ = ("blocks", "n_tokens", "aux_slot", "aux", "targets", "inflight", "errors", "bytes",
+    __slots__ = ("blocks", "n_tokens", "aux", "targets", "inflight", "errors", "bytes",
                  "intervals", "t_first_submit")
 
-    def __init__(self, blocks: List[int], n_tokens: int, aux_slot: int):
-        self.blocks, self.n_tokens, self.aux_slot = blocks, n_tokens, aux_slot
+    def __init__(self, blocks: List[int], n_tokens: int):
+        self.blocks, self.n_tokens = blocks, n_tokens
         self.aux: Optional[bytes] = None
         self.targets: List[_Target] = []
         self.inflight = 0
@@ -608,9 +610,13 @@ class KVSender:
     transfers are outstanding (backpressure)."""
 
     def __init__(self, engine: Hixl, layout: KVLayout, num_blocks: int, *, max_requests: Optional[int] = None,
-                 aux_bytes: int = 256, memory: str = "acl", max_inflight: int = 64, timeout: float = 60.0):
+                 max_targets: int = 8, aux_bytes: int = 256, memory: str = "acl", max_inflight: int = 64,
+                 timeout: float = 60.0):
+        """``max_requests`` requests at once (default ``num_blocks``), each sent to at most
+        ``max_targets`` decoders on average (each target stages its aux bytes in a slot of its own)."""
         self.engine, self.layout = engine, layout
-        self.pool = KVPool(engine, layout, num_blocks, max_requests=max_requests, aux_bytes=aux_bytes, memory=memory)
+        self.pool = KVPool(engine, layout, num_blocks, max_requests=(max_requests or num_blocks) * max_targets,
+                           aux_bytes=aux_bytes, memory=memory)
         self.max_inflight, self.timeout = int(max_inflight), float(timeout)
         self._cv = threading.Condition()
         self._reqs: Dict[str, _Request] = {}
@@ -628,14 +634,9 @@ class KVSender:
         with self._cv:
             if request_id in self._reqs:
                 raise KVError(f"request {request_id!r} is already allocated")
-        aux = self.pool.aux_slots.take(1, timeout)
-        try:
-            blocks = self.pool.blocks.take(self.layout.blocks_for(n_tokens), timeout)
-        except BaseException:
-            self.pool.aux_slots.give(aux)
-            raise
+        blocks = self.pool.blocks.take(self.layout.blocks_for(n_tokens), timeout)
         with self._cv:
-            self._reqs[request_id] = _Request(blocks, n_tokens, aux[0])
+            self._reqs[request_id] = _Request(blocks, n_tokens)
         return blocks
 
     def _req(self, request_id: str) -> _Request:
@@ -680,7 +681,7 @@ class KVSender:
             if any(t.grant.decode == g.decode and max(t.grant.layers[0], g.layers[0]) < min(t.grant.layers[1], g.layers[1])
                    for t in r.targets):
                 raise KVError(f"request {request_id!r} already sends layers overlapping {g.layers} to {g.decode}")
-            r.targets.append(_Target(g))
+            r.targets.append(_Target(g, self.pool.aux_slots.take(1, 0.0)[0]))
 
     def _descs(self, r: _Request, g: Grant, layers: List[int]) -> List[TransferOpDesc]:
         """One descriptor per (layer, K|V, block), adjacent ones merged."""
@@ -700,21 +701,27 @@ class KVSender:
                         out.append(last)
         return [TransferOpDesc(a, b, n) for a, b, n in out]
 
-    def push(self, request_id: str, layers: Union[int, Iterable[int]], *, aux: Optional[bytes] = None) -> int:
-        """Start moving ``layers`` (already stored) to every target; returns the bytes submitted.
-
-        Non-blocking unless ``max_inflight`` transfers are outstanding (then it waits for credit).
-        The push that completes a target's layers also writes the aux bytes (``aux``, or those given
-        to an earlier push) and carries the completion flag."""
-        r = self._req(request_id)
-        want = sorted({layers} if isinstance(layers, int) else set(layers))
-        if any(not 0 <= x < self.layout.n_layers for x in want):
-            raise ValueError(f"layers {want} outside [0, {self.layout.n_layers})")
+    def _set_aux(self, r: _Request, aux: Optional[bytes]) -> None:
         if aux is not None:
             aux = bytes(aux)
             if len(aux) > self.pool.aux_bytes:
                 raise ValueError(f"aux is {len(aux)} bytes, at most {self.pool.aux_bytes}")
             r.aux = aux
+
+    def push(self, request_id: str, layers: Union[int, Iterable[int]], *, aux: Optional[bytes] = None,
+             complete: Optional[bool] = None) -> int:
+        """Start moving ``layers`` (already stored) to every target; returns the bytes submitted.
+
+        Non-blocking unless ``max_inflight`` transfers are outstanding (then it waits for credit).
+        With ``complete=None`` the push that completes a target's layers also writes the aux bytes
+        (``aux``, or those given to an earlier push) and carries the completion flag; with
+        ``complete=False`` no flag goes yet: :meth:`complete` sends it later (so the last layers can
+        travel while the first token is still being computed)."""
+        r = self._req(request_id)
+        want = sorted({layers} if isinstance(layers, int) else set(layers))
+        if any(not 0 <= x < self.layout.n_layers for x in want):
+            raise ValueError(f"layers {want} outside [0, {self.layout.n_layers})")
+        self._set_aux(r, aux)
         if not r.targets:
             raise KVError(f"request {request_id!r} has no target: add_target() first")
         total = 0
@@ -725,34 +732,60 @@ class KVSender:
                 continue
             descs = self._descs(r, t.grant, mine)
             t.pushed.update(mine)
-            complete = len(t.pushed) == hi - lo
             flag = None
-            if complete:
-                if r.aux is not None:
-                    a = self.pool.aux_at(r.aux_slot)
-                    self.pool.bytes[a:a + len(r.aux)] = np.frombuffer(r.aux, np.uint8)
-                    descs.append(TransferOpDesc(self.pool.addr + a, t.grant.aux_addr, len(r.aux)))
-                flag = t.grant.ticket
-                t.flagged = True
-            nbytes = sum(d.len for d in descs)
-            self._acquire_credit()
-            now = time.monotonic()
-            rc, req = self.engine.transfer_async(t.grant.decode, WRITE, descs, flag=flag)
-            if rc != SUCCESS:
-                with self._cv:
-                    self._inflight -= 1
-                    self._cv.notify_all()
-                raise TransferFailed(f"kv: push of {request_id!r} layers {mine} to {t.grant.decode} failed: "
-                                     f"{self.engine.last_error()}", rc)
-            with self._cv:
-                if not r.t_first_submit:
-                    r.t_first_submit = now
-                r.inflight += 1
-                r.bytes += nbytes
-                self._queue.append((req, request_id, now))
-                self._cv.notify_all()
-            total += nbytes
+            if complete is not False and len(t.pushed) == hi - lo:
+                flag = self._stage_flag(r, t, descs)
+            total += self._submit(request_id, r, t, descs, flag, f"layers {mine}")
         return total
+
+    def complete(self, request_id: str, *, aux: Optional[bytes] = None) -> int:
+        """Send the completion flag (with the aux bytes) to every target that has all its layers
+        and no flag yet; returns the bytes submitted. Without any aux, one zero byte is written to
+        the target's aux area (a transfer carries the flag)."""
+        r = self._req(request_id)
+        self._set_aux(r, aux)
+        missing = {t.grant.decode: sorted(set(range(*t.grant.layers)) - t.pushed) for t in r.targets}
+        missing = {k: v for k, v in missing.items() if v}
+        if missing:
+            raise KVError(f"kv: complete({request_id!r}): layers not pushed yet: {missing}")
+        total = 0
+        for t in r.targets:
+            if not t.flagged:
+                descs: List[TransferOpDesc] = []
+                flag = self._stage_flag(r, t, descs)
+                total += self._submit(request_id, r, t, descs, flag, "completion flag")
+        return total
+
+    def _stage_flag(self, r: _Request, t: _Target, descs: List[TransferOpDesc]) -> int:
+        """Appends the aux write (staged in the target's own slot) to ``descs``; returns the flag."""
+        aux = r.aux if r.aux is not None else (b"\0" if not descs else None)
+        if aux is not None:
+            a = self.pool.aux_at(t.aux_slot)
+            self.pool.bytes[a:a + len(aux)] = np.frombuffer(aux, np.uint8)
+            descs.append(TransferOpDesc(self.pool.addr + a, t.grant.aux_addr, len(aux)))
+        t.flagged = True
+        return t.grant.ticket
+
+    def _submit(self, request_id: str, r: _Request, t: _Target, descs: List[TransferOpDesc],
+                flag: Optional[int], what: str) -> int:
+        nbytes = sum(d.len for d in descs)
+        self._acquire_credit()
+        now = time.monotonic()
+        rc, req = self.engine.transfer_async(t.grant.decode, WRITE, descs, flag=flag)
+        if rc != SUCCESS:
+            with self._cv:
+                self._inflight -= 1
+                self._cv.notify_all()
+            raise TransferFailed(f"kv: push of {request_id!r} {what} to {t.grant.decode} failed: "
+                                 f"{self.engine.last_error()}", rc)
+        with self._cv:
+            if not r.t_first_submit:
+                r.t_first_submit = now
+            r.inflight += 1
+            r.bytes += nbytes
+            self._queue.append((req, request_id, now))
+            self._cv.notify_all()
+        return nbytes
 
     def _acquire_credit(self) -> None:
         with self._cv:
@@ -827,7 +860,7 @@ class KVSender:
                 if r is not None and r.inflight == 0:
                     del self._reqs[request_id]
                     self.pool.blocks.give(r.blocks)
-                    self.pool.aux_slots.give([r.aux_slot])
+                    self.pool.aux_slots.give([t.aux_slot for t in r.targets])
 
     def close(self) -> None:
         with self._cv:
