@@ -33,13 +33,18 @@ log "bench: same-host and tcp transports vs memcpy and Mooncake (host, same run)
 "$PY" bench/host_sweep.py --json "$ART/host_sweep.json" 2>&1 | tee "$ART/host_sweep.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || { log "FAIL: bench/host_sweep.py"; exit 1; }
 
+log "bench: PD pipeline with SmolLM2, 512-token prompt: overlap and TTFT vs monolithic (host, same run)"
+"$PY" bench/pd_bench.py --json "$ART/pd_bench.json" 2>&1 | tee "$ART/pd_bench.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || { log "FAIL: bench/pd_bench.py"; exit 1; }
+
 log "tiers 2+3 in the rxe VM"
 rm -f "$ART/rdma-junit.xml"
 set +e
 bash ci/rxe-vm.sh bash ci/in-vm.sh
 vm_rc=$?
 set -e
-"$PY" ci/check_junit.py "$ART/rdma-junit.xml" --min-tests 65 \
-    --require tests.rdma.test_data_path --require tests.test_hixl_engine --require tests.interop.test_pyverbs || { log "FAIL: RDMA tiers did not really pass"; exit 1; }
+"$PY" ci/check_junit.py "$ART/rdma-junit.xml" --min-tests 90 \
+    --require tests.rdma.test_data_path --require tests.test_hixl_engine --require tests.test_kv \
+    --require tests.test_demo --require tests.interop.test_pyverbs || { log "FAIL: RDMA tiers did not really pass"; exit 1; }
 [ "$vm_rc" -eq 0 ] || { log "FAIL: VM run exited $vm_rc"; exit "$vm_rc"; }
 log "all tiers passed in $(( $(date +%s) - start ))s"
