@@ -48,8 +48,10 @@ void hixl_bind_engine(py::module_& m) {
       .def("finalize", &Engine::finalize, release())
       .def(
           "register_mem",
-          [](Engine& e, uint64_t addr, uint64_t len, int type) { return e.register_mem(addr, len, MemType(type)); },
-          py::arg("addr"), py::arg("len"), py::arg("mem_type"), release())
+          [](Engine& e, uint64_t addr, uint64_t len, int type, uint32_t access) {
+            return e.register_mem(addr, len, MemType(type), access);
+          },
+          py::arg("addr"), py::arg("len"), py::arg("mem_type"), py::arg("access") = 3, release())
       .def("deregister_mem", &Engine::deregister_mem, py::arg("handle"), release())
       .def("connect", &Engine::connect, py::arg("remote"), py::arg("timeout_ms"), release())
       .def("disconnect", &Engine::disconnect, py::arg("remote"), py::arg("timeout_ms"), release())

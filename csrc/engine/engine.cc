@@ -418,12 +418,12 @@ std::vector<wire::Region> Engine::local_regions(uint64_t* version) const {
   out.reserve(regions_.size());
   for (const auto& [h, r] : regions_) {
     (void)h;
-    out.push_back({r.addr, r.len, r.mr ? r.mr->rkey() : 0, wire::kRemoteRead | wire::kRemoteWrite});
+    out.push_back({r.addr, r.len, r.mr ? r.mr->rkey() : 0, r.access});
   }
   return out;
 }
 
-std::pair<int, uint64_t> Engine::register_mem(uint64_t addr, uint64_t len, MemType type) {
+std::pair<int, uint64_t> Engine::register_mem(uint64_t addr, uint64_t len, MemType type, uint32_t access) {
   try {
     if (!ready()) return {fail(kFailed, "register_mem: engine is not initialized"), 0};
     if (addr == 0 || len == 0 || addr + len < addr)
@@ -431,17 +431,30 @@ std::pair<int, uint64_t> Engine::register_mem(uint64_t addr, uint64_t len, MemTy
                                       ": need a non-null address, length > 0, no wrap-around"), 0};
     if (type != MemType::kDevice && type != MemType::kHost)
       return {fail(kParamInvalid, "register_mem: unknown mem type " + std::to_string(int(type))), 0};
+    if (access & ~uint32_t(wire::kRemoteRead | wire::kRemoteWrite))
+      return {fail(kParamInvalid, CallDesc("register_mem").hex("access", access).str() +
+                                      ": access must combine REMOTE_READ (1) and REMOTE_WRITE (2) only"), 0};
+    // The same range again: the same handle, unless it asks for other access rights.
+    auto same = [&](std::map<std::pair<uint64_t, uint64_t>, uint64_t>::const_iterator it) -> std::pair<int, uint64_t> {
+      const LocalRegion& r = regions_.at(it->second);
+      if (r.access != access)
+        return {fail(kParamInvalid, CallDesc("register_mem").hex("addr", addr).arg("len", len).hex("access", access)
+                                        .str() + ": already registered with access " + std::to_string(r.access) +
+                                        " (deregister it first)"), 0};
+      return {ok(), it->second};
+    };
     {
       std::lock_guard<std::mutex> g(reg_mu_);
       auto it = region_by_range_.find({addr, len});
-      if (it != region_by_range_.end()) return {ok(), it->second};
+      if (it != region_by_range_.end()) return same(it);
     }
     std::shared_ptr<verbs::MemoryRegion> mr;
     if (pd_) {
       try {
-        mr = std::make_shared<verbs::MemoryRegion>(pd_, reinterpret_cast<void*>(addr), size_t(len),
-                                                   IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE |
-                                                       IBV_ACCESS_REMOTE_READ);
+        // LOCAL_WRITE always: a region is also the destination of our own READs.
+        int flags = IBV_ACCESS_LOCAL_WRITE | (access & wire::kRemoteWrite ? IBV_ACCESS_REMOTE_WRITE : 0) |
+                    (access & wire::kRemoteRead ? IBV_ACCESS_REMOTE_READ : 0);
+        mr = std::make_shared<verbs::MemoryRegion>(pd_, reinterpret_cast<void*>(addr), size_t(len), flags);
       } catch (const Error& e) {
         int code = (e.err() == EFAULT || e.err() == EINVAL) ? kParamInvalid : kFailed;
         return {fail(code, e.what()), 0};
@@ -452,10 +465,10 @@ std::pair<int, uint64_t> Engine::register_mem(uint64_t addr, uint64_t len, MemTy
       std::lock_guard<std::mutex> g(reg_mu_);
       if (reg_closed_) return {fail(kFailed, "register_mem: the engine was finalized meanwhile"), 0};
       auto it = region_by_range_.find({addr, len});
-      if (it != region_by_range_.end()) return {ok(), it->second};  // another thread won the race
+      if (it != region_by_range_.end()) return same(it);  // another thread won the race
       handle = next_handle_++;
       ++reg_version_;
-      LocalRegion lr{addr, len, type, mr};
+      LocalRegion lr{addr, len, type, access, mr};
       if (auto info = acl::lookup(reinterpret_cast<const void*>(addr));
           info && info->fd >= 0 && addr + len <= info->base + info->size) {
         lr.fd = info->fd;  // the shim's memfd: same-host peers map it instead of cross-memory attach
@@ -463,7 +476,7 @@ std::pair<int, uint64_t> Engine::register_mem(uint64_t addr, uint64_t len, MemTy
       }
       regions_[handle] = lr;
       region_by_range_[{addr, len}] = handle;
-      local_table_.insert({addr, len, mr ? mr->lkey() : 0, wire::kRemoteRead | wire::kRemoteWrite, handle});
+      local_table_.insert({addr, len, mr ? mr->lkey() : 0, access, handle});
     }
     push_regions();
     return {ok(), handle};
@@ -570,9 +583,9 @@ void Engine::make_path(Link& link, const wire::Control& peer) {
     case wire::Transport::kTcp: {
       auto p = std::make_shared<transport::TcpPath>(
           link.key,
-          [this](uint64_t a, uint64_t len, bool) {
+          [this](uint64_t a, uint64_t len, bool write) {
             std::lock_guard<std::mutex> g(reg_mu_);
-            return local_table_.find(a, len, 0) != nullptr;
+            return local_table_.find(a, len, write ? wire::kRemoteWrite : wire::kRemoteRead) != nullptr;
           },
           &data_mu_);
       p->set_flag_sender(flag_sender);

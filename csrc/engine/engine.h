@@ -118,7 +118,11 @@ class Engine {
   int initialize(const std::string& local_engine, const Options& opts);
   void finalize();  // idempotent; afterwards every call returns kFailed
 
-  std::pair<int, uint64_t> register_mem(uint64_t addr, uint64_t len, MemType type);
+  // access: what peers may do with the region (wire::kRemoteRead | wire::kRemoteWrite by default;
+  // kRemoteRead alone = read-only, 0 = usable only as our own source/destination). The MR gets the
+  // matching IBV_ACCESS_REMOTE_* bits, so the device refuses what the checks before posting refuse.
+  std::pair<int, uint64_t> register_mem(uint64_t addr, uint64_t len, MemType type,
+                                        uint32_t access = wire::kRemoteRead | wire::kRemoteWrite);
   int deregister_mem(uint64_t handle);
 
   int connect(const std::string& remote, int timeout_ms);
@@ -216,6 +220,7 @@ class Engine {
   struct LocalRegion {
     uint64_t addr = 0, len = 0;
     MemType type = MemType::kHost;
+    uint32_t access = wire::kRemoteRead | wire::kRemoteWrite;  // what peers may do (wire::RegionAccess)
     std::shared_ptr<verbs::MemoryRegion> mr;  // null without an RDMA device
     int fd = -1;              // memfd behind it (hixl.acl memory): same-host peers map it
     uint64_t fd_offset = 0;

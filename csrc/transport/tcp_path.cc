@@ -255,7 +255,7 @@ void TcpPath::serve_loop() {
     }
     if (!valid) {
       // An honest initiator checked the same ranges; the payload that follows cannot be skipped safely.
-      why = std::string(write ? "write" : "read") + " request for memory that is not registered here";
+      why = std::string(write ? "write" : "read") + " request for memory that is not registered here for remote " + (write ? "write" : "read");
       reply(seq, kParamInvalid);
       break;
     }

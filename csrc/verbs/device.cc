@@ -15,10 +15,26 @@
 namespace hixl::verbs {
 namespace {
 
+// Fork-safe registration: ibv_fork_init() must run before any other verbs call. Kernels >= 5.13
+// keep pinned pages with the parent by themselves (rdma-core then reports IBV_FORK_UNNEEDED);
+// older ones need the MADV_DONTFORK that ibv_fork_init arranges for every later registration.
+void fork_init_once() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    int rc = ibv_fork_init();
+    if (rc != 0)
+      log::warn(std::string("ibv_fork_init() failed: ") + std::strerror(rc) +
+                ": memory registered before a fork() may be corrupted in the parent afterwards");
+  });
+}
+
 struct DeviceList {
   int n = 0;
   ibv_device** list = nullptr;
-  DeviceList() { list = ibv_get_device_list(&n); }
+  DeviceList() {
+    fork_init_once();
+    list = ibv_get_device_list(&n);
+  }
   ~DeviceList() { if (list) ibv_free_device_list(list); }
 };
 

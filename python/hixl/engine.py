@@ -17,9 +17,12 @@ Beyond CANN:
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import operator
+import os
 import threading
+import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from . import _core
@@ -48,6 +51,7 @@ _log = logging.getLogger("hixl")
 _INT32_MAX = 2 ** 31 - 1
 _U64_MAX = 2 ** 64 - 1
 _DEFAULT_TIMEOUT_MS = 1000
+_ACCESS = {"rw": 3, "ro": 1, "wo": 2, "none": 0}  # wire::RegionAccess bits: remote read 1, remote write 2
 
 
 def _int(v: Any, lo: int, hi: int) -> Optional[int]:
@@ -68,12 +72,40 @@ def _enum(v: Any, cls: Any) -> Optional[int]:
     return n if n is not None and n in values else None
 
 
+_LIVE: "weakref.WeakSet[Hixl]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child has none of the parent's threads, and locks they held stay held: the C++
+    engine must never run (nor be destroyed: that would join threads that do not exist) here."""
+    for h in list(_LIVE):
+        if h._pid == 0:  # never initialized: no threads yet, the child may initialize it itself
+            continue
+        if not h._finalized:
+            h._finalized = True
+            h._forked = ("engine %s was initialized in process %d; after fork() the child (%d) cannot use it "
+                         "(its threads, locks and connections belong to the parent): create a new Hixl in the child"
+                         % (h._name, h._pid, os.getpid()))
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(h._engine))  # never destroyed in this process
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class Hixl:
-    """A hixl engine: register memory, connect to peers, READ/WRITE their memory, notify them."""
+    """A hixl engine: register memory, connect to peers, READ/WRITE their memory, notify them.
+
+    After ``fork()``, an engine of the parent is finalized in the child: every call there returns
+    ``FAILED`` and :meth:`last_error` says why; the parent's engine keeps working (its registered
+    memory is fork-safe: the child gets copies, the parent keeps the pages the device uses)."""
 
     def __init__(self) -> None:
         self._engine = _core.Engine()
         self._finalized = False
+        self._forked = ""  # set in a forked child: why every call fails there
+        self._pid, self._name = 0, ""  # set by initialize()
+        _LIVE.add(self)
         self._logged_keys: set = set()
         self._good_remotes: set = set()
         self._tls = threading.local()  # last_error() is per thread, like the C++ engine's
@@ -136,7 +168,7 @@ class Hixl:
 
     def last_error(self) -> str:
         """Why the last call on this object from this thread did not return SUCCESS ("" if it did)."""
-        return getattr(self._tls, "last_error", "")
+        return self._forked or getattr(self._tls, "last_error", "")
 
     # ---------------------------------------------------------------- lifecycle
     def initialize(self, local_engine: str, options: Optional[Dict[str, str]] = None) -> int:
@@ -159,12 +191,15 @@ class Hixl:
                     _log.info("hixl: option %s=%r %s", key, p.raw[key],
                               "has no effect on this implementation" if key in p.not_applicable
                               else "is unknown and ignored")
-            return self._done(self._engine.initialize(
+            rc = self._done(self._engine.initialize(
                 local_engine, transport=p.transport, device=p.device or "",
                 gid_index=-1 if p.gid_index is None else p.gid_index,
                 traffic_class=-1 if p.rdma_traffic_class is None else p.rdma_traffic_class,
                 service_level=-1 if p.rdma_service_level is None else p.rdma_service_level,
                 auto_connect=p.auto_connect))
+            if rc == SUCCESS:
+                self._pid, self._name = os.getpid(), self._engine.local_engine
+            return rc
         except Exception as e:  # never raise to the caller
             return self._failed("initialize", e)
 
@@ -172,7 +207,8 @@ class Hixl:
         """Tears everything down (links, then registrations). Idempotent."""
         try:
             self._finalized = True
-            self._engine.finalize()
+            if not self._forked:  # in a forked child the parent's threads are not here to join
+                self._engine.finalize()
         except Exception as e:
             self._failed("finalize", e)
 
@@ -183,8 +219,13 @@ class Hixl:
         self.finalize()
 
     # -------------------------------------------------------------- registration
-    def register_mem(self, mem_desc: Any, mem_type: Any = MemType.MEM_HOST) -> Tuple[int, int]:
-        """``(SUCCESS, handle)``; the same addr/len again gives the same handle."""
+    def register_mem(self, mem_desc: Any, mem_type: Any = MemType.MEM_HOST, *, access: str = "rw") -> Tuple[int, int]:
+        """``(SUCCESS, handle)``; the same addr/len again gives the same handle.
+
+        ``access`` (beyond CANN): what peers may do with the region: ``"rw"`` (default), ``"ro"``
+        (peers may READ it; a peer's WRITE is refused with PARAM_INVALID before anything is posted,
+        and on RDMA the memory region itself has no remote-write right), ``"wo"``, or ``"none"``
+        (only a source/destination of this engine's own transfers)."""
         try:
             if self._finalized:
                 return FAILED, 0
@@ -193,7 +234,11 @@ class Hixl:
             mt = _enum(mem_type, MemType)
             if mt is None:
                 return self._refuse("register_mem: mem_type %r is not a MemType" % (mem_type,)), 0
-            rc, handle = self._engine.register_mem(operator.index(mem_desc.addr), operator.index(mem_desc.len), mt)
+            acc = _ACCESS.get(access) if isinstance(access, str) else None
+            if acc is None:
+                return self._refuse("register_mem: access %r is not one of %s" % (access, sorted(_ACCESS))), 0
+            rc, handle = self._engine.register_mem(operator.index(mem_desc.addr), operator.index(mem_desc.len), mt,
+                                                   acc)
             return self._done(rc), handle
         except Exception as e:
             return self._failed("register_mem", e), 0
