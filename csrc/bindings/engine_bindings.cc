@@ -33,7 +33,7 @@ void hixl_bind_engine(py::module_& m) {
       .def(
           "initialize",
           [](Engine& e, const std::string& local, const std::string& transport, const std::string& device,
-             int gid_index, int traffic_class, int service_level, bool auto_connect) {
+             int gid_index, int traffic_class, int service_level, bool auto_connect, const std::string& auth_token) {
             Options o;
             o.transport = transport;
             o.device = device;
@@ -41,10 +41,12 @@ void hixl_bind_engine(py::module_& m) {
             o.traffic_class = traffic_class;
             o.service_level = service_level;
             o.auto_connect = auto_connect;
+            o.auth_token = auth_token;
             return e.initialize(local, o);
           },
           py::arg("local_engine"), py::arg("transport") = "auto", py::arg("device") = "", py::arg("gid_index") = -1,
-          py::arg("traffic_class") = -1, py::arg("service_level") = -1, py::arg("auto_connect") = false, release())
+          py::arg("traffic_class") = -1, py::arg("service_level") = -1, py::arg("auto_connect") = false,
+          py::arg("auth_token") = "", release())
       .def("finalize", &Engine::finalize, release())
       .def(
           "register_mem",

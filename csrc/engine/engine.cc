@@ -10,6 +10,7 @@
 #include <random>
 
 #include "acl/allocator.h"
+#include "auth/handshake.h"
 #include "transport/shm_path.h"
 #include "transport/tcp_path.h"
 #include "verbs/error.h"
@@ -777,6 +778,7 @@ int Engine::connect_once(const std::string& key, int timeout_ms, uint32_t offers
   {
     HandshakeGuard guard(*this, &s);
     try {
+      if (!opts_.auth_token.empty()) auth::client_handshake(s, opts_.auth_token, deadline);  // before anything of ours
       oob::send_all(s, wire::encode_control(hello_frame(wire::FrameType::kConnect, ep, offers)), deadline);
       auto [h, payload] = oob::recv_frame(s, deadline);
       peer = wire::parse_control(h.type, payload.data(), payload.size());
@@ -831,6 +833,7 @@ int Engine::connect_once(const std::string& key, int timeout_ms, uint32_t offers
     try {
       for (uint32_t dir = 0; dir < 2; ++dir) {
         oob::Socket d = oob::connect_tcp(host, uint16_t(port), std::max(left_until(deadline), milliseconds(1)));
+        if (!opts_.auth_token.empty()) auth::client_handshake(d, opts_.auth_token, deadline);
         wire::Control a;
         a.type = wire::FrameType::kAttach;
         a.instance = instance_;
@@ -867,11 +870,77 @@ void Engine::serve_attach(oob::Socket s, const wire::Control& c) {
   log::warn("engine " + name_ + ": a tcp data connection for \"" + c.name + "\" matches no link; dropped");
 }
 
+void Engine::accept_incoming() {
+  oob::Socket s;
+  try {
+    s = oob::accept_tcp(listener_, milliseconds(0));
+  } catch (const std::exception& e) {
+    log::warn("engine " + name_ + ": accept: " + e.what());
+    return;
+  }
+  if (!s.valid()) return;
+  const std::string from = oob::peer_address(s);
+  const std::string host = from.substr(0, from.rfind(':'));
+  bool over = false;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    int& mine = serving_by_host_[host];
+    over = serving_ >= kMaxHandshakes || mine >= kMaxHandshakesPerHost;
+    if (over) {
+      if (mine == 0) serving_by_host_.erase(host);
+      ++limit_refusals_;
+      if (Clock::now() - last_limit_log_ >= std::chrono::seconds(1)) {
+        last_limit_log_ = Clock::now();
+        log::warn("engine " + name_ + ": refusing the peer at " + from + ": too many handshakes in progress (" +
+                  std::to_string(serving_) + " in all, at most " + std::to_string(kMaxHandshakes) + "; " +
+                  std::to_string(mine) + " from " + host + ", at most " + std::to_string(kMaxHandshakesPerHost) +
+                  "); " + std::to_string(limit_refusals_) + " such refusals so far");
+      }
+    } else {
+      ++serving_;
+      ++mine;
+    }
+  }
+  if (over) {  // the refusal is small: it fits the socket buffer, so this never waits
+    wire::Control r;
+    r.type = wire::FrameType::kRefuse;
+    r.status = uint32_t(kResourceExhausted);
+    r.text = "too many handshakes in progress; try again later";
+    try {
+      oob::send_all(s, wire::encode_control(r), Clock::now());
+    } catch (const std::exception&) {
+    }
+    return;
+  }
+  // Gives the slot back however the handshake ends (also when spawn() refuses: finalizing).
+  auto release = std::shared_ptr<void>(nullptr, [this, host](void*) {
+    std::lock_guard<std::mutex> g(mu_);
+    --serving_;
+    auto it = serving_by_host_.find(host);
+    if (it != serving_by_host_.end() && --it->second <= 0) serving_by_host_.erase(it);
+  });
+  auto sp = std::make_shared<oob::Socket>(std::move(s));
+  try {
+    spawn([this, sp, release] { serve_incoming(std::move(*sp)); });  // throws once finalizing: sp closes
+  } catch (const std::exception& e) {
+    log::info("engine " + name_ + ": not serving the peer at " + from + ": " + e.what());
+  }
+}
+
 void Engine::serve_incoming(oob::Socket s) {
   HandshakeGuard guard(*this, &s);
   auto deadline = Clock::now() + milliseconds(opts_.handshake_timeout_ms);
-  auto refuse = [&](int code, const std::string& why) {
-    log::info("engine " + name_ + ": refusing a peer: " + why);
+  const std::string from = oob::peer_address(s);
+  const std::string& token = opts_.auth_token;
+  // A refusal carries its status and reason, nothing else of ours. Refusals of peers that did not
+  // authenticate are warnings (with the peer's address; never the token).
+  auto refuse = [&](int code, const std::string& why, bool warn = false, const std::string& detail = "") {
+    const std::string msg = "engine " + name_ + ": refusing the peer at " + from + ": " + why +
+                            (detail.empty() ? "" : " (" + detail + ")");
+    if (warn)
+      log::warn(msg);
+    else
+      log::info(msg);
     wire::Control r;
     r.type = wire::FrameType::kRefuse;
     r.status = uint32_t(code);
@@ -880,14 +949,35 @@ void Engine::serve_incoming(oob::Socket s) {
       oob::send_all(s, wire::encode_control(r), deadline);
     } catch (const std::exception&) {
     }
+    oob::drain(s, std::min(deadline, Clock::now() + milliseconds(200)));  // so the peer gets to read it
   };
   wire::Control c;
+  bool authenticated = token.empty();
   try {
+    if (!token.empty()) {
+      // The first frame must be an AuthHello: anything else is refused by its header alone, and
+      // nothing longer than an auth frame is read before the peer proved the token.
+      wire::Header h = oob::recv_header(s, deadline);
+      if (h.type != wire::FrameType::kAuthHello)
+        return refuse(kFailed, "authentication required (this engine accepts only peers with its HixlAuthToken)",
+                      true);
+      auto payload = oob::recv_payload(s, h, deadline, auth::kMaxPreAuthPayload);
+      std::string why = auth::server_handshake(s, token, wire::parse_control(h.type, payload.data(), payload.size()),
+                                               deadline);
+      if (!why.empty()) return refuse(kFailed, why, true);
+      authenticated = true;
+    }
     auto [h, payload] = oob::recv_frame(s, deadline);
     c = wire::parse_control(h.type, payload.data(), payload.size());
+    if (c.type == wire::FrameType::kAuthHello)
+      return refuse(kFailed, token.empty() ? "this engine has no HixlAuthToken: it does not authenticate peers"
+                                           : "authentication already done",
+                    true);
     if (c.type == wire::FrameType::kAttach) return serve_attach(std::move(s), c);
     if (c.type != wire::FrameType::kConnect) throw Error("expected a Connect frame, got type " + std::to_string(int(h.type)));
   } catch (const std::exception& e) {
+    // Before authentication the reason stays generic: the details (which may name our socket) go to the log only.
+    if (!authenticated) return refuse(kFailed, "bad handshake (authentication required)", true, e.what());
     return refuse(kFailed, std::string("bad handshake: ") + e.what());
   }
   int peer_port = -1;
@@ -1539,17 +1629,7 @@ void Engine::progress_loop() {
     size_t base = 1;
     if (listener_.valid()) {
       base = 2;
-      if (pfds[1].revents & POLLIN) {
-        try {
-          oob::Socket s = oob::accept_tcp(listener_, milliseconds(0));
-          if (s.valid()) {
-            auto sp = std::make_shared<oob::Socket>(std::move(s));
-            spawn([this, sp] { serve_incoming(std::move(*sp)); });  // throws once finalizing: sp closes
-          }
-        } catch (const std::exception& e) {
-          log::warn("engine " + name_ + ": accept: " + e.what());
-        }
-      }
+      if (pfds[1].revents & POLLIN) accept_incoming();
     }
     for (size_t i = 0; i < polled.size(); ++i) {
       if (!pfds[base + i].revents) continue;

@@ -69,7 +69,16 @@ struct Options {
   int service_level = -1;          // SL (-1 = default 0)
   bool auto_connect = false;
   int handshake_timeout_ms = 5000;  // an accepted peer must finish its handshake within this
+  // Shared secret ("" = none). With one, every connection to our listener must prove it before
+  // anything of ours is sent, and we connect only to peers that prove it too (auth/handshake.h).
+  std::string auth_token;
 };
+
+// Handshakes served at once (each on its own thread, each bounded by handshake_timeout_ms): beyond
+// these, a new connection is refused at once (RESOURCE_EXHAUSTED), so slow or hostile peers cannot
+// pile up threads; one address may hold only part of them, so it cannot lock others out.
+constexpr int kMaxHandshakes = 256;
+constexpr int kMaxHandshakesPerHost = 32;
 
 struct OpDesc {
   uint64_t local_addr = 0;
@@ -194,6 +203,7 @@ class Engine {
   void push_regions();
 
   void progress_loop();
+  void accept_incoming();
   void serve_incoming(oob::Socket s);
   void handle_frame(const std::shared_ptr<Link>& link, const wire::Control& c);
   void spawn(std::function<void()> fn);  // throws hixl::Error once finalize() began
@@ -240,6 +250,10 @@ class Engine {
   std::set<std::string> connecting_;                    // our outgoing handshakes
   std::set<std::string> incoming_;                      // handshakes peers started with us
   std::set<oob::Socket*> handshakes_;                   // sockets in a handshake (shut down by finalize)
+  int serving_ = 0;                                     // incoming connections being served (kMaxHandshakes)
+  std::map<std::string, int> serving_by_host_;          // ... by peer IP (kMaxHandshakesPerHost)
+  std::chrono::steady_clock::time_point last_limit_log_{};               // refusals over the limits: one warning a second
+  size_t limit_refusals_ = 0;
   std::map<std::string, ConnState> async_;              // pending/finished async (dis)connects
   std::map<uint64_t, Request> reqs_;
   uint64_t next_req_ = 1;

@@ -89,6 +89,11 @@ std::vector<wire::Control> samples() {
   c = {}; c.type = wire::FrameType::kAbort; c.seq = 4; c.text = "timeout"; v.push_back(c);
   c = {}; c.type = wire::FrameType::kAbortAck; c.seq = 4; v.push_back(c);
   c = {}; c.type = wire::FrameType::kBye; c.text = "bye"; v.push_back(c);
+  c = {}; c.type = wire::FrameType::kAuthHello; c.scheme = 1;
+  for (size_t i = 0; i < c.nonce.size(); ++i) c.nonce[i] = uint8_t(i + 1);
+  v.push_back(c);
+  c = {}; c.type = wire::FrameType::kAuthChallenge; c.nonce.fill(0xa5); v.push_back(c);
+  c = {}; c.type = wire::FrameType::kAuthProof; c.proof.fill(0x5a); c.proof[0] = 1; v.push_back(c);
   return v;
 }
 
@@ -114,6 +119,8 @@ void control_frames() {
     CHECK_EQ(d.probe_addr, c.probe_addr);
     CHECK_EQ(d.probe_value, c.probe_value);
     CHECK_EQ(d.direction, c.direction);
+    CHECK_EQ(d.scheme, c.scheme);
+    CHECK(d.nonce == c.nonce && d.proof == c.proof);
     // Every truncation of the payload is refused with an error, never a crash or a short read.
     const size_t payload = f.size() - wire::kHeaderSize;
     for (size_t cut = 0; cut < payload; ++cut) {

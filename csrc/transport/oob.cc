@@ -1,5 +1,6 @@
 #include "transport/oob.h"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
@@ -8,6 +9,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "verbs/error.h"
@@ -191,13 +193,68 @@ void recv_exact(const Socket& s, uint8_t* out, size_t len, Clock::time_point dea
 }
 }  // namespace
 
-std::pair<wire::Header, std::vector<uint8_t>> recv_frame(const Socket& s, Clock::time_point deadline) {
+wire::Header recv_header(const Socket& s, Clock::time_point deadline) {
   uint8_t hdr[wire::kHeaderSize];
   recv_exact(s, hdr, sizeof hdr, deadline);
-  wire::Header h = wire::parse_header(hdr, sizeof hdr);  // bounds payload_len before allocating
-  std::vector<uint8_t> payload(h.payload_len);
-  if (h.payload_len) recv_exact(s, payload.data(), payload.size(), deadline);
-  return {h, std::move(payload)};
+  return wire::parse_header(hdr, sizeof hdr);  // bounds payload_len by wire::kMaxPayload
+}
+
+std::vector<uint8_t> recv_payload(const Socket& s, const wire::Header& h, Clock::time_point deadline,
+                                  uint32_t max_payload) {
+  if (h.payload_len > max_payload)
+    throw Error("wire: frame type " + std::to_string(int(h.type)) + " announces a " + std::to_string(h.payload_len) +
+                "-byte payload; at most " + std::to_string(max_payload) + " bytes are accepted here");
+  constexpr size_t kStep = 64 * 1024;
+  std::vector<uint8_t> payload;
+  while (payload.size() < h.payload_len) {
+    size_t off = payload.size();
+    payload.resize(off + std::min(kStep, h.payload_len - off));
+    recv_exact(s, payload.data() + off, payload.size() - off, deadline);
+  }
+  return payload;
+}
+
+std::pair<wire::Header, std::vector<uint8_t>> recv_frame(const Socket& s, Clock::time_point deadline,
+                                                        uint32_t max_payload) {
+  wire::Header h = recv_header(s, deadline);
+  return {h, recv_payload(s, h, deadline, max_payload)};
+}
+
+void drain(const Socket& s, Clock::time_point deadline, size_t max_bytes) {
+  if (!s.valid()) return;
+  ::shutdown(s.fd(), SHUT_WR);
+  uint8_t buf[4096];
+  size_t total = 0;
+  while (total < max_bytes) {
+    ssize_t n = ::recv(s.fd(), buf, sizeof buf, MSG_DONTWAIT);
+    if (n > 0) { total += size_t(n); continue; }
+    if (n == 0) break;  // the peer closed too
+    if (errno == EINTR) continue;
+    if (errno != EAGAIN && errno != EWOULDBLOCK) break;
+    try {
+      if (!wait_fd(s.fd(), POLLIN, deadline, "drain")) break;
+    } catch (const Error&) {
+      break;
+    }
+  }
+}
+
+std::string peer_address(const Socket& s) {
+  sockaddr_storage ss{};
+  socklen_t len = sizeof ss;
+  if (::getpeername(s.fd(), reinterpret_cast<sockaddr*>(&ss), &len) != 0) return "?";
+  char host[INET6_ADDRSTRLEN] = {};
+  if (ss.ss_family == AF_INET) {
+    auto* a = reinterpret_cast<sockaddr_in*>(&ss);
+    inet_ntop(AF_INET, &a->sin_addr, host, sizeof host);
+    return std::string(host) + ":" + std::to_string(ntohs(a->sin_port));
+  }
+  if (ss.ss_family == AF_INET6) {
+    auto* a = reinterpret_cast<sockaddr_in6*>(&ss);
+    inet_ntop(AF_INET6, &a->sin6_addr, host, sizeof host);
+    return "[" + std::string(host) + "]:" + std::to_string(ntohs(a->sin6_port));
+  }
+  return "?";
 }
 
 }  // namespace hixl::oob

@@ -42,7 +42,21 @@ Socket accept_tcp(const Socket& listener, std::chrono::milliseconds timeout);
 Socket connect_tcp(const std::string& host, uint16_t port, std::chrono::milliseconds timeout);
 
 void send_all(const Socket& s, const std::vector<uint8_t>& data, Clock::time_point deadline);
-// Reads one frame; the payload is bounded by wire::kMaxPayload before anything is allocated.
-std::pair<wire::Header, std::vector<uint8_t>> recv_frame(const Socket& s, Clock::time_point deadline);
+// Reads one frame. A payload_len over max_payload (at most wire::kMaxPayload) is refused before
+// anything is read or allocated; the buffer then grows with the bytes that actually arrive (64 KiB
+// steps), so a peer announcing a large frame and sending nothing costs no memory.
+std::pair<wire::Header, std::vector<uint8_t>> recv_frame(const Socket& s, Clock::time_point deadline,
+                                                        uint32_t max_payload = wire::kMaxPayload);
+// The two halves of recv_frame(), for a reader that decides on the frame type before the payload.
+wire::Header recv_header(const Socket& s, Clock::time_point deadline);
+std::vector<uint8_t> recv_payload(const Socket& s, const wire::Header& h, Clock::time_point deadline,
+                                  uint32_t max_payload = wire::kMaxPayload);
+// After a refusal: no more sending (shutdown SHUT_WR), then read and drop what the peer still sends
+// (at most max_bytes, until the peer closes or the deadline), so that the caller's close does not
+// reset the connection before the peer read our last frame (a close with unread input sends RST,
+// which may discard it).
+void drain(const Socket& s, Clock::time_point deadline, size_t max_bytes = 256 * 1024);
+// "ip:port" of the peer of a connected socket ("?" when unknown): for logs.
+std::string peer_address(const Socket& s);
 
 }  // namespace hixl::oob

@@ -109,6 +109,9 @@ std::vector<uint8_t> encode_control(const Control& c) {
     case FrameType::kBye: put_str(w, c.text); break;
     case FrameType::kAttach: w.u64(c.instance); put_str(w, c.name); w.u32(c.direction); break;
     case FrameType::kFlag: w.u32(c.status); break;
+    case FrameType::kAuthHello: w.u32(c.scheme); w.bytes(c.nonce.data(), c.nonce.size()); break;
+    case FrameType::kAuthChallenge: w.bytes(c.nonce.data(), c.nonce.size()); break;
+    case FrameType::kAuthProof: w.bytes(c.proof.data(), c.proof.size()); break;
     default: break;
   }
   return encode_frame(c.type, w.buf());
@@ -168,6 +171,12 @@ Control parse_control(FrameType type, const uint8_t* payload, size_t len) {
       if (c.direction > 1) throw Error("wire: control: attach direction " + std::to_string(c.direction));
       break;
     case FrameType::kFlag: c.status = r.u32("flag"); break;
+    case FrameType::kAuthHello:
+      c.scheme = r.u32("scheme");
+      r.bytes(c.nonce.data(), c.nonce.size(), "nonce");
+      break;
+    case FrameType::kAuthChallenge: r.bytes(c.nonce.data(), c.nonce.size(), "nonce"); break;
+    case FrameType::kAuthProof: r.bytes(c.proof.data(), c.proof.size(), "proof"); break;
     default: break;
   }
   if (r.remaining() != 0)

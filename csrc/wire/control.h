@@ -21,9 +21,13 @@
 //   Attach     u64 instance, str name, u32 direction (TCP transport: a data connection of that link)
 //   Flag       u32 value (a completion flag, sent after the bytes of the transfer it completes landed:
 //              the shm/tcp counterpart of RDMA WRITE_WITH_IMM's immediate)
+//   AuthHello      u32 scheme (1 = HMAC-SHA-256 challenge/response), u8[32] client nonce
+//   AuthChallenge  u8[32] server nonce
+//   AuthProof      u8[32] HMAC (client's, then server's; auth/handshake.h)
 // A payload must be consumed exactly; strings are bounded (kMaxName / kMaxText) before copying.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -47,6 +51,7 @@ constexpr size_t kMaxExtents = 1u << 16;
 
 constexpr size_t kMaxName = 4096;       // engine names, notify names (1024 chars of UTF-8 fit)
 constexpr size_t kMaxText = 64 * 1024;  // notify messages, reasons
+constexpr size_t kAuthBytes = 32;        // nonces and proofs of the Auth* frames
 
 struct Control {
   FrameType type = FrameType::kBye;
@@ -65,6 +70,9 @@ struct Control {
   std::string text;                     // Notify: message; Refuse/Abort/Bye: reason
   std::optional<Hello> hello;           // Connect/Accept (RDMA queue pair + regions)
   std::vector<Region> regions;          // Connect, Accept, Regions
+  uint32_t scheme = 0;                  // AuthHello
+  std::array<uint8_t, kAuthBytes> nonce{};  // AuthHello (the client's), AuthChallenge (the server's)
+  std::array<uint8_t, kAuthBytes> proof{};  // AuthProof
 };
 
 std::vector<uint8_t> encode_control(const Control& c);                        // whole frame

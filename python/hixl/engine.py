@@ -12,6 +12,11 @@ Beyond CANN:
   (``auto``: RDMA when both ends have an active device, else ``shm`` when both are on this
   host and cross-memory attach works, else ``tcp`` with a warning); ``HixlDevice`` /
   ``HIXL_DEVICE`` and ``HixlGidIndex`` / ``HIXL_GID_INDEX`` pick the RDMA device and GID;
+* option ``HixlAuthToken`` / env ``HIXL_AUTH_TOKEN`` (the option wins): a shared secret. A
+  listener with one refuses every peer that does not prove it knows the token (HMAC-SHA-256
+  challenge/response, both ways) before sending anything of its own; an engine with one connects
+  only to peers that prove it too. A refused ``connect`` returns ``FAILED`` and ``last_error()``
+  says "authentication ..."; the refusing side logs a warning with the peer's address;
 * :meth:`Hixl.get_transport` and :meth:`Hixl.get_link_info` tell what each link runs on;
 * regions registered after a peer connected become visible to it on its next transfer.
 """
@@ -196,7 +201,7 @@ class Hixl:
                 gid_index=-1 if p.gid_index is None else p.gid_index,
                 traffic_class=-1 if p.rdma_traffic_class is None else p.rdma_traffic_class,
                 service_level=-1 if p.rdma_service_level is None else p.rdma_service_level,
-                auto_connect=p.auto_connect))
+                auto_connect=p.auto_connect, auth_token=p.auth_token or ""))
             if rc == SUCCESS:
                 self._pid, self._name = os.getpid(), self._engine.local_engine
             return rc

@@ -198,9 +198,13 @@ OPTION_LOCAL_COMM_RES = "LocalCommRes"
 OPTION_HIXL_TRANSPORT = "HixlTransport"
 OPTION_HIXL_DEVICE = "HixlDevice"
 OPTION_HIXL_GID_INDEX = "HixlGidIndex"
+OPTION_HIXL_AUTH_TOKEN = "HixlAuthToken"
 
 TRANSPORTS = ("auto", "rdma", "shm", "tcp")
 ENV_TRANSPORT = "HIXL_TRANSPORT"
+ENV_AUTH_TOKEN = "HIXL_AUTH_TOKEN"
+MAX_AUTH_TOKEN_BYTES = 4096
+_REDACTED = "<redacted>"
 
 # Accepted, stored raw, but without effect here -> ParsedOptions attribute name.
 _NOT_APPLICABLE = {
@@ -225,6 +229,8 @@ class ParsedOptions:
     ``ignored`` lists unknown keys (the engine logs them once); ``not_applicable``
     lists CANN keys that are accepted but have no effect (their raw values are
     kept in the matching attributes).  On failure only ``error`` is meaningful.
+    ``auth_token`` (from ``HixlAuthToken``, else env ``HIXL_AUTH_TOKEN``) never
+    appears in the repr, in ``raw`` (its value there is ``"<redacted>"``) or in ``error``.
     """
     rdma_traffic_class: Optional[int] = None
     rdma_service_level: Optional[int] = None
@@ -236,6 +242,7 @@ class ParsedOptions:
     buffer_pool: Optional[str] = None
     global_resource_config: Optional[str] = None
     local_comm_res: Optional[str] = None
+    auth_token: Optional[str] = field(default=None, repr=False)
     raw: Dict[str, str] = field(default_factory=dict)
     ignored: List[str] = field(default_factory=list)
     not_applicable: List[str] = field(default_factory=list)
@@ -254,11 +261,24 @@ def _transport(value: str) -> Optional[str]:
     return v if v in TRANSPORTS else None
 
 
+def _auth_token(value: str, what: str) -> Tuple[Optional[str], str]:
+    """``(token, "")`` or ``(None, why)``; ``why`` never contains the value."""
+    try:
+        n = len(value.encode("utf-8"))
+    except UnicodeError:
+        return None, "%s: not encodable as UTF-8" % what
+    if n > MAX_AUTH_TOKEN_BYTES:
+        return None, "%s: longer than %d bytes" % (what, MAX_AUTH_TOKEN_BYTES)
+    return value, ""
+
+
 def parse_options(options: Any) -> Tuple[int, ParsedOptions]:
     """Parse an engine options dict into ``(status, ParsedOptions)``; never raises.
 
     ``None`` means no options.  Keys and values must be ``str``.  The transport is
-    taken from ``HixlTransport``, else env ``HIXL_TRANSPORT``, else ``"auto"``.
+    taken from ``HixlTransport``, else env ``HIXL_TRANSPORT``, else ``"auto"``; the
+    auth token from ``HixlAuthToken`` (non-empty), else env ``HIXL_AUTH_TOKEN`` (empty
+    or unset: none), at most ``MAX_AUTH_TOKEN_BYTES`` bytes of UTF-8.
     """
     def bad(msg: str) -> Tuple[int, ParsedOptions]:
         return PARAM_INVALID, ParsedOptions(error=msg)
@@ -273,7 +293,14 @@ def parse_options(options: Any) -> Tuple[int, ParsedOptions]:
             if not isinstance(key, str) or not isinstance(value, str):
                 return bad("option %r: keys and values must be str" % (key,))
             p.raw[key] = value
-            if key in _INT_OPTIONS:
+            if key == OPTION_HIXL_AUTH_TOKEN:
+                p.raw[key] = _REDACTED
+                if not value:
+                    return bad("%s: empty token (leave the option out for none)" % key)
+                p.auth_token, why = _auth_token(value, key)
+                if p.auth_token is None:
+                    return bad(why)
+            elif key in _INT_OPTIONS:
                 attr, hi = _INT_OPTIONS[key]
                 n = _dec(value, 0, hi)
                 if n is None:
@@ -302,6 +329,11 @@ def parse_options(options: Any) -> Tuple[int, ParsedOptions]:
             p.transport = t = _transport(env) or ""
             if not t:
                 return bad("%s=%r: expected one of %s" % (ENV_TRANSPORT, env, ", ".join(TRANSPORTS)))
+        env_token = os.environ.get(ENV_AUTH_TOKEN, "")
+        if p.auth_token is None and env_token:
+            p.auth_token, why = _auth_token(env_token, ENV_AUTH_TOKEN)
+            if p.auth_token is None:
+                return bad(why)
         return SUCCESS, p
     except Exception as e:  # e.g. a dict subclass with a broken items()
         return bad("invalid options: %s" % (e,))
@@ -358,6 +390,7 @@ __all__ = [
     "OPTION_ENABLE_USE_FABRIC_MEM", "OPTION_RDMA_TRAFFIC_CLASS", "OPTION_RDMA_SERVICE_LEVEL",
     "OPTION_BUFFER_POOL", "OPTION_GLOBAL_RESOURCE_CONFIG", "OPTION_AUTO_CONNECT",
     "OPTION_LOCAL_COMM_RES", "OPTION_HIXL_TRANSPORT", "OPTION_HIXL_DEVICE",
-    "OPTION_HIXL_GID_INDEX", "TRANSPORTS", "ENV_TRANSPORT", "ParsedOptions", "parse_options",
+    "OPTION_HIXL_GID_INDEX", "OPTION_HIXL_AUTH_TOKEN", "TRANSPORTS", "ENV_TRANSPORT", "ENV_AUTH_TOKEN",
+    "MAX_AUTH_TOKEN_BYTES", "ParsedOptions", "parse_options",
     "get_capability", "parse_engine_address",
 ]
