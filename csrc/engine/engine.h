@@ -71,6 +71,9 @@ struct Options {
   int handshake_timeout_ms = 5000;  // an accepted peer must finish its handshake within this
   // Shared secret ("" = none). With one, every connection to our listener must prove it before
   // anything of ours is sent, and we connect only to peers that prove it too (auth/handshake.h).
+  // A connect() refused for it (missing or wrong token on either side, a server without one)
+  // returns kFailed, and last_error() says "authentication ..."; the refusing listener logs a
+  // warning naming the peer's address. The token itself is never logged or sent.
   std::string auth_token;
 };
 
