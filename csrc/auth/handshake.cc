@@ -34,10 +34,11 @@ void client_handshake(const oob::Socket& s, const std::string& token, oob::Clock
   // A Refuse may carry a reason of up to kMaxText bytes; anything else here is tiny.
   const uint32_t max_reply = uint32_t(wire::kMaxText + 64);
   wire::Control ch = recv_control(s, deadline, max_reply);
-  if (ch.type == wire::FrameType::kRefuse)
-    throw Error("authentication: the peer does not authenticate its peers (no HixlAuthToken there, or an older "
-                "hixl; its answer: \"" + ch.text + "\"); this engine has a token and talks only to peers that "
-                "prove they know it");
+  if (ch.type == wire::FrameType::kRefuse && ch.status == kStatusNoAuth)
+    throw Error("authentication: the peer does not authenticate its peers (its answer: \"" + ch.text +
+                "\"); this engine has a HixlAuthToken and talks only to peers that prove they know it");
+  if (ch.type == wire::FrameType::kRefuse)  // at its handshake limit, an older hixl, ...
+    throw Error("authentication: refused by the peer: " + ch.text);
   if (ch.type != wire::FrameType::kAuthChallenge)
     throw Error("authentication: the peer answered with frame type " + std::to_string(int(ch.type)) +
                 " instead of an auth challenge");

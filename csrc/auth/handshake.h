@@ -34,6 +34,8 @@
 namespace hixl::auth {
 
 constexpr uint32_t kSchemeHmacSha256 = 1;
+// The status a listener without a token refuses an AuthHello with (engine::kUnsupported).
+constexpr uint32_t kStatusNoAuth = 103905;
 // Payload bound for the frames read before a peer proved the token (AuthHello is 36 bytes).
 constexpr uint32_t kMaxPreAuthPayload = 64;
 using Nonce = std::array<uint8_t, wire::kAuthBytes>;

@@ -21,6 +21,8 @@ namespace hixl::engine {
 using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
 
+static_assert(auth::kStatusNoAuth == uint32_t(kUnsupported), "auth/handshake.h names engine::kUnsupported");
+
 namespace {
 
 constexpr int kRetryWithoutShm = -1;  // connect_once(): the same-host probe failed on our side
@@ -969,10 +971,9 @@ void Engine::serve_incoming(oob::Socket s) {
     }
     auto [h, payload] = oob::recv_frame(s, deadline);
     c = wire::parse_control(h.type, payload.data(), payload.size());
-    if (c.type == wire::FrameType::kAuthHello)
-      return refuse(kFailed, token.empty() ? "this engine has no HixlAuthToken: it does not authenticate peers"
-                                           : "authentication already done",
-                    true);
+    if (c.type == wire::FrameType::kAuthHello && token.empty())
+      return refuse(int(auth::kStatusNoAuth), "this engine has no HixlAuthToken: it does not authenticate peers", true);
+    if (c.type == wire::FrameType::kAuthHello) return refuse(kFailed, "authentication already done", true);
     if (c.type == wire::FrameType::kAttach) return serve_attach(std::move(s), c);
     if (c.type != wire::FrameType::kConnect) throw Error("expected a Connect frame, got type " + std::to_string(int(h.type)));
   } catch (const std::exception& e) {

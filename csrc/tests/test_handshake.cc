@@ -101,6 +101,7 @@ int main() {
         oob::recv_frame(s, deadline);
         wire::Control r;
         r.type = wire::FrameType::kRefuse;
+        r.status = auth::kStatusNoAuth;
         r.text = "no token here";
         oob::send_all(s, wire::encode_control(r), deadline);
       } catch (const std::exception&) {

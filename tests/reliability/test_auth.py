@@ -25,7 +25,8 @@ import numpy as np
 import pytest
 
 import hixl
-from hixl import FAILED, NOT_CONNECTED, READ, RESOURCE_EXHAUSTED, SUCCESS, WRITE, MemDesc, TransferOpDesc
+from hixl import (FAILED, NOT_CONNECTED, READ, RESOURCE_EXHAUSTED, SUCCESS, UNSUPPORTED, WRITE, MemDesc,
+                   TransferOpDesc)
 from hixl import _core
 
 TRANSPORTS = [pytest.param("rdma", marks=pytest.mark.rdma), "shm", "tcp"]
@@ -258,6 +259,11 @@ def test_client_with_token_refuses_a_server_without_one(make, transport):
     assert client.connect(server.local_engine, 20000) == FAILED
     assert "does not authenticate its peers" in client.last_error(), client.last_error()
     assert server.get_link_info(client.local_engine)[0] == NOT_CONNECTED
+    with raw(_port(server)) as s:  # what such a server answers an AuthHello with
+        s.sendall(frame(AUTH_HELLO, struct.pack("<I", 1) + os.urandom(32)))
+        frames = parse_frames(read_all(s))
+    assert [t for t, _ in frames] == [REFUSE]
+    assert refusal(frames[0][1]) == (UNSUPPORTED, "this engine has no HixlAuthToken: it does not authenticate peers")
     # and a server that has a token connects to a client without one? No: the listener decides.
     assert server.connect(client.local_engine, 20000) == FAILED
     assert "authentication required" in server.last_error()
