@@ -223,6 +223,7 @@ Engine::~Engine() {
     log::warn(std::string("Engine teardown: ") + e.what());
   }
   if (wake_fd_ >= 0) ::close(wake_fd_);  // here, not in finalize(): late wake() calls stay harmless
+  if (accept_wake_fd_ >= 0) ::close(accept_wake_fd_);
   if (flag_fd_ >= 0) ::close(flag_fd_);
 }
 
@@ -286,6 +287,12 @@ int Engine::initialize(const std::string& local_engine, const Options& opts) {
       ::close(wfd);
       throw_errno("eventfd", errno);
     }
+    int afd = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (afd < 0) {
+      ::close(wfd);
+      ::close(ffd);
+      throw_errno("eventfd", errno);
+    }
 
     opts_ = opts;
     pd_ = std::move(pd);
@@ -300,8 +307,10 @@ int Engine::initialize(const std::string& local_engine, const Options& opts) {
     host_ = *canonical(host);
     wake_fd_ = wfd;
     flag_fd_ = ffd;
+    accept_wake_fd_ = afd;
     stop_ = false;
     progress_ = std::thread([this] { progress_loop(); });
+    if (listener_.valid()) acceptor_ = std::thread([this] { accept_loop(); });
     state_ = State::kReady;
     log::info("engine " + name_ + ": transports " + offers_string(offers_) +
               (pd_ ? " (rdma on " + pd_->context()->name() + ")" : " (no rdma: " + why_none + ")"));
@@ -330,6 +339,12 @@ void Engine::finalize() {
   flag_cv_.notify_all();
   wake();
   if (progress_.joinable()) progress_.join();
+  if (acceptor_.joinable()) {
+    uint64_t one = 1;
+    ssize_t n = ::write(accept_wake_fd_, &one, sizeof one);
+    (void)n;
+    acceptor_.join();
+  }
   listener_.close();
   for (auto& [key, link] : links) {
     (void)key;
@@ -872,12 +887,28 @@ void Engine::serve_attach(oob::Socket s, const wire::Control& c) {
   log::warn("engine " + name_ + ": a tcp data connection for \"" + c.name + "\" matches no link; dropped");
 }
 
+// On its own thread, so that nothing a linked peer does to the progress thread (a frame sent
+// slowly, a reply it does not read) delays anyone's handshake.
+void Engine::accept_loop() {
+  while (!stop_) {
+    pollfd p[2] = {{accept_wake_fd_, POLLIN, 0}, {listener_.fd(), POLLIN, 0}};
+    int rc = ::poll(p, 2, 1000);
+    if (stop_) break;
+    if (rc < 0) {
+      if (errno != EINTR) log::warn("engine " + name_ + ": accept poll: " + errno_str(errno));
+      continue;
+    }
+    if (p[1].revents & POLLIN) accept_incoming();
+  }
+}
+
 void Engine::accept_incoming() {
   oob::Socket s;
   try {
     s = oob::accept_tcp(listener_, milliseconds(0));
   } catch (const std::exception& e) {
     log::warn("engine " + name_ + ": accept: " + e.what());
+    std::this_thread::sleep_for(milliseconds(50));  // e.g. EMFILE: the connection stays queued, poll says so again
     return;
   }
   if (!s.valid()) return;
@@ -1608,7 +1639,6 @@ void Engine::progress_loop() {
     pfds.clear();
     polled.clear();
     pfds.push_back({wake_fd_, POLLIN, 0});
-    if (listener_.valid()) pfds.push_back({listener_.fd(), POLLIN, 0});
     {
       std::lock_guard<std::mutex> g(mu_);
       for (auto& [k, l] : links_) {
@@ -1627,11 +1657,7 @@ void Engine::progress_loop() {
       ssize_t n = ::read(wake_fd_, &v, sizeof v);
       (void)n;
     }
-    size_t base = 1;
-    if (listener_.valid()) {
-      base = 2;
-      if (pfds[1].revents & POLLIN) accept_incoming();
-    }
+    const size_t base = 1;
     for (size_t i = 0; i < polled.size(); ++i) {
       if (!pfds[base + i].revents) continue;
       auto& link = polled[i];

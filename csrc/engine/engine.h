@@ -3,8 +3,9 @@
 // An engine owns: a listener (when its address has a port), one link per peer (a TCP control
 // connection plus a data transport endpoint: an RDMA RC queue pair), the local region registry
 // (registered once, on the device's shared protection domain, usable by every link), a cache of each
-// peer's regions, the transfer requests, and the notify inbox. A progress thread accepts peers
-// and serves the control connections; the data path never involves the receiver's CPU.
+// peer's regions, the transfer requests, and the notify inbox. An acceptor thread accepts peers
+// (each handshake then runs on a thread of its own, bounded by a deadline and by kMaxHandshakes), a
+// progress thread serves the control connections; the data path never involves the receiver's CPU.
 //
 // Every public method returns a hixl status code (or a pair starting with one) and never throws.
 #pragma once
@@ -206,6 +207,7 @@ class Engine {
   void push_regions();
 
   void progress_loop();
+  void accept_loop();
   void accept_incoming();
   void serve_incoming(oob::Socket s);
   void handle_frame(const std::shared_ptr<Link>& link, const wire::Control& c);
@@ -273,6 +275,8 @@ class Engine {
 
   oob::Socket listener_;
   int wake_fd_ = -1;
+  int accept_wake_fd_ = -1;  // eventfd: finalize() wakes the acceptor with it
+  std::thread acceptor_;     // accepts peers and hands each to a handshake thread; never waits on a link
   std::atomic<bool> stop_{false};
   std::thread progress_;
   std::mutex workers_mu_;

@@ -610,6 +610,25 @@ def test_slowloris_does_not_stall_other_handshakes(make, token):
             s.close()
 
 
+def test_a_linked_peer_sending_slowly_does_not_delay_handshakes(make):
+    """A peer that completed its handshake (no token here) and then sends half a control frame holds
+    the progress thread up to its 2 s frame deadline: handshakes run elsewhere and go on meanwhile."""
+    a = make("tcp")
+    with raw(_port(a)) as s:
+        s.sendall(frame(CONNECT, connect_payload(name="127.0.0.1:1", offers=TCP_BIT)))
+        t, _ = read_frame(s)
+        assert t == ACCEPT
+        s.sendall(frame(2))  # READY
+        t, _ = read_frame(s)
+        assert t == 2
+        s.sendall(frame(NOTIFY, struct.pack("<Q", 1) + pstr("n") + pstr("m"))[:7])  # never finished
+        time.sleep(0.3)
+        b = make("tcp")
+        t0 = time.monotonic()
+        assert b.connect(a.local_engine, 10000) == SUCCESS, b.last_error()
+        assert time.monotonic() - t0 < 1.0, "a linked peer's slow frame delayed a handshake"
+
+
 def test_one_address_cannot_hold_every_handshake_slot(make):
     a = make("tcp")
     idle = [raw(_port(a), source="127.0.0.2") for _ in range(40)]
