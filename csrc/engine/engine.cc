@@ -917,10 +917,10 @@ void Engine::accept_incoming() {
   bool over = false;
   {
     std::lock_guard<std::mutex> g(mu_);
-    int& mine = serving_by_host_[host];
+    auto it = serving_by_host_.find(host);
+    const int mine = it == serving_by_host_.end() ? 0 : it->second;
     over = serving_ >= kMaxHandshakes || mine >= kMaxHandshakesPerHost;
     if (over) {
-      if (mine == 0) serving_by_host_.erase(host);
       ++limit_refusals_;
       if (Clock::now() - last_limit_log_ >= std::chrono::seconds(1)) {
         last_limit_log_ = Clock::now();
@@ -931,7 +931,7 @@ void Engine::accept_incoming() {
       }
     } else {
       ++serving_;
-      ++mine;
+      ++serving_by_host_[host];
     }
   }
   if (over) {  // the refusal is small: it fits the socket buffer, so this never waits
