@@ -14,6 +14,7 @@ APT_PACKAGES=(
     build-essential cmake ninja-build pkg-config
     libibverbs-dev librdmacm-dev rdma-core ibverbs-utils perftest python3-pyverbs
     qemu-system-x86 linux-image-amd64 kmod iproute2 busybox-static procps
+    clang libclang-rt-14-dev   # ci/fuzz.sh: libFuzzer + ASan/UBSan over the wire parsers
 )
 
 # Versions verified together on the reference machine.

@@ -26,6 +26,9 @@ cmake -S . -B build/ctest -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 cmake --build build/ctest
 ctest --test-dir build/ctest --output-on-failure
 
+log "tier 1: libFuzzer over the wire and control-frame parsers (bounded time)"
+bash ci/fuzz.sh "${HIXL_FUZZ_SECONDS:-60}"
+
 log "tier 1: pytest (no device)"
 "$PY" -m pytest -p no:cacheprovider -q -m "not rdma and not interop" --junitxml="$ART/host-junit.xml" tests
 
@@ -45,6 +48,6 @@ vm_rc=$?
 set -e
 "$PY" ci/check_junit.py "$ART/rdma-junit.xml" --min-tests 90 \
     --require tests.rdma.test_data_path --require tests.test_hixl_engine --require tests.test_kv \
-    --require tests.test_demo --require tests.interop.test_pyverbs || { log "FAIL: RDMA tiers did not really pass"; exit 1; }
+    --require tests.test_demo --require tests.reliability --require tests.interop.test_pyverbs || { log "FAIL: RDMA tiers did not really pass"; exit 1; }
 [ "$vm_rc" -eq 0 ] || { log "FAIL: VM run exited $vm_rc"; exit "$vm_rc"; }
 log "all tiers passed in $(( $(date +%s) - start ))s"
