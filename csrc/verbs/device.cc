@@ -1,6 +1,7 @@
 #include "verbs/device.h"
 
 #include <arpa/inet.h>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <cstring>
@@ -232,7 +233,14 @@ ProtectionDomain::~ProtectionDomain() {
 std::shared_ptr<ProtectionDomain> ProtectionDomain::shared_for(const std::string& device_name) {
   static std::mutex mu;
   static std::map<std::string, std::weak_ptr<ProtectionDomain>> cache;
+  static pid_t cache_pid = 0;
   std::lock_guard<std::mutex> g(mu);
+  // A forked child must not use the parent's context or PD (their queues and doorbells belong to the
+  // parent; the parent's engines are kept, never used, in the child): it opens its own.
+  if (cache_pid != ::getpid()) {
+    cache.clear();
+    cache_pid = ::getpid();
+  }
   std::string key = device_name;
   if (key.empty()) if (const char* e = std::getenv("HIXL_DEVICE")) key = e;
   if (auto it = cache.find(key); it != cache.end())
