@@ -19,9 +19,13 @@ namespace {
 // Fork-safe registration: ibv_fork_init() must run before any other verbs call. Kernels >= 5.13
 // keep pinned pages with the parent by themselves (rdma-core then reports IBV_FORK_UNNEEDED);
 // older ones need the MADV_DONTFORK that ibv_fork_init arranges for every later registration.
+// Only those: rdma-core's ibv_fork_init() does not check, and its MADV_DONTFORK covers whole pages,
+// so a registered buffer that shares pages with the malloc heap leaves the child a heap with holes
+// (a forked child crashed in its first free() next to a registered numpy array).
 void fork_init_once() {
   static std::once_flag once;
   std::call_once(once, [] {
+    if (ibv_is_fork_initialized() == IBV_FORK_UNNEEDED) return;
     int rc = ibv_fork_init();
     if (rc != 0)
       log::warn(std::string("ibv_fork_init() failed: ") + std::strerror(rc) +
