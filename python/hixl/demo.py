@@ -124,18 +124,8 @@ def layer_ranges(n_layers: int, parts: int) -> List[Tuple[int, int]]:
     return out
 
 
-def union_seconds(intervals: Sequence[Sequence[float]], after: float = float("-inf")) -> float:
-    """Length of the union of ``[a, b]`` intervals, counting only the part after ``after``."""
-    total, end = 0.0, after
-    for a, b in sorted((max(a, after), b) for a, b in intervals):
-        if b <= end:
-            continue
-        total += b - max(a, end)
-        end = b
-    return total
-
-
 def transfer_metrics(t_start: float, t_compute_end: float, intervals) -> Dict[str, float]:
+    from .kv import union_seconds
     busy = union_seconds(intervals)
     exposed = union_seconds(intervals, after=t_compute_end)
     return {"busy_ms": busy * 1e3, "exposed_ms": exposed * 1e3,

@@ -592,9 +592,11 @@ class _Request:
         self.t_first_submit = 0.0
 
 
-def _union_seconds(intervals: List[Tuple[float, float]]) -> float:
-    total, end = 0.0, float("-inf")
-    for a, b in sorted(intervals):
+def union_seconds(intervals: Iterable[Sequence[float]], after: float = float("-inf")) -> float:
+    """Length of the union of ``[a, b]`` intervals (e.g. :meth:`KVSender.stats` ``intervals``),
+    counting only the part after ``after``."""
+    total, end = 0.0, after
+    for a, b in sorted((max(a, after), b) for a, b in intervals):
         if b <= end:
             continue
         total += b - max(a, end)
@@ -845,7 +847,7 @@ class KVSender:
             r = self._req(request_id)
             iv = list(r.intervals)
             return {"bytes": r.bytes, "transfers": len(iv), "inflight": r.inflight,
-                    "busy_s": _union_seconds(iv), "first_submit": r.t_first_submit,
+                    "busy_s": union_seconds(iv), "first_submit": r.t_first_submit,
                     "last_done": max((b for _, b in iv), default=0.0), "intervals": iv,
                     "flagged": all(t.flagged for t in r.targets) and bool(r.targets), "errors": list(r.errors)}
 
