@@ -1,8 +1,14 @@
 #include "perf/perf.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <deque>
+#include <thread>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <x86intrin.h>
+#endif
 
 #include "verbs/error.h"
 
@@ -11,11 +17,58 @@ namespace hixl::perf {
 using Clock = std::chrono::steady_clock;
 
 namespace {
-void spin_for_marker(volatile uint8_t* p, uint8_t want, Clock::time_point deadline, uint32_t iter) {
+uint64_t ns_since(Clock::time_point t0) {
+  return uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count());
+}
+
+// Per-iteration timestamps come from the CPU's cycle counter, as perftest's get_cycles(): a
+// steady_clock read is a clock_gettime() that costs ~20 ns on real hardware but ~1.7 us in a QEMU
+// TCG guest, whose clocksource is the emulated HPET; three of them per ping-pong iteration added
+// ~2.5 us to an 8 B half round trip there. Ticks are converted to ns with a rate measured against
+// steady_clock across the whole loop (two clock reads per loop).
+inline uint64_t ticks() {
+#if defined(__x86_64__) || defined(__i386__)
+  return __rdtsc();
+#elif defined(__aarch64__)
+  uint64_t v;
+  asm volatile("isb; mrs %0, cntvct_el0" : "=r"(v));
+  return v;
+#else
+  return uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count());
+#endif
+}
+
+class TickRate {
+ public:
+  TickRate() : c0_(Clock::now()), t0_(ticks()) {}
+  double ns_per_tick() const {
+    uint64_t dt = ticks() - t0_;
+    uint64_t ns = ns_since(c0_);
+    return dt ? double(ns) / double(dt) : 1.0;
+  }
+  // Converts tick deltas in place.
+  void to_ns(std::vector<uint64_t>& v) const {
+    double k = ns_per_tick();
+    for (auto& x : v) x = uint64_t(double(x) * k);
+  }
+
+ private:
+  Clock::time_point c0_;
+  uint64_t t0_;
+};
+
+// Spins until *p == want. The clock is read only every 4096 spins (the deadline starts then), so
+// the fast path costs no clock read at all.
+void spin_for_marker(volatile uint8_t* p, uint8_t want, uint32_t timeout_ms, uint32_t iter) {
   uint32_t n = 0;
+  Clock::time_point deadline{};
   while (*p != want) {
-    if ((++n & 0xfff) == 0 && Clock::now() > deadline)
-      throw Error("write_pingpong: no answer from the peer for iteration " + std::to_string(iter), ETIMEDOUT);
+    if ((++n & 0xfff) == 0) {
+      auto now = Clock::now();
+      if (deadline == Clock::time_point{}) deadline = now + std::chrono::milliseconds(timeout_ms);
+      else if (now > deadline)
+        throw Error("write_pingpong: no answer from the peer for iteration " + std::to_string(iter), ETIMEDOUT);
+    }
   }
   std::atomic_thread_fence(std::memory_order_acquire);
 }
@@ -24,6 +77,39 @@ void finish(rdma::Endpoint& ep, uint64_t req, uint32_t timeout_ms) {
   auto r = ep.wait(req, std::chrono::milliseconds(timeout_ms));
   if (r.status != rdma::Status::kCompleted)
     throw Error("perf: request did not complete (status " + std::to_string(int(r.status)) + "): " + r.error);
+}
+
+void check_shape(const char* fn, uint64_t size, uint32_t descs, uint32_t window, uint64_t span) {
+  if (size == 0 || descs == 0 || window == 0 || span < size)
+    throw Error(std::string(fn) + ": size, descs_per_req and window must be > 0 and span >= size");
+}
+
+// Descriptor k of a run: consecutive `size` slots cycling through `span` bytes (local and remote alike).
+struct Slots {
+  uint64_t size, slots, next = 0;
+  Slots(uint64_t span, uint64_t sz) : size(sz), slots(span / sz) {}
+  uint64_t take() { return (next++ % slots) * size; }
+};
+
+// Median and p99 (nearest rank) of request latencies (ticks), in place.
+void summarize(std::vector<uint64_t>& lat, const TickRate& rate, StreamResult& r) {
+  if (lat.empty()) return;
+  std::sort(lat.begin(), lat.end());
+  double k = rate.ns_per_tick();
+  r.req_p50_ns = uint64_t(double(lat[(lat.size() - 1) / 2]) * k);
+  r.req_p99_ns = uint64_t(double(lat[std::min(lat.size() - 1, size_t(double(lat.size()) * 0.99))]) * k);
+}
+
+void engine_check(engine::Engine& e, int rc, const char* what) {
+  if (rc != engine::kSuccess)
+    throw Error(std::string("perf: ") + what + " returned " + engine::code_name(rc) + ": " + e.last_error());
+}
+
+void engine_finish(engine::Engine& e, uint64_t req, uint32_t timeout_ms) {
+  auto [rc, st] = e.transfer_wait(req, int(timeout_ms));
+  engine_check(e, rc, "transfer_wait");
+  if (st != int(engine::TransferStatus::kCompleted))
+    throw Error("perf: engine request did not complete (status " + std::to_string(st) + "): " + e.last_error());
 }
 }  // namespace
 
@@ -36,16 +122,16 @@ std::vector<uint64_t> write_pingpong(rdma::Endpoint& ep, uint8_t* buf, uint64_t 
   uint8_t* send_last = buf + size - 1;
   std::vector<rdma::Desc> d{{reinterpret_cast<uint64_t>(buf), remote_recv_addr, size, rkey}};
   std::deque<uint64_t> pending;  // reap completions lazily, as perftest does with its CQ moderation
+  TickRate rate;
   for (uint32_t i = 0; i < iters; ++i) {
     uint8_t marker = uint8_t(i % 255 + 1);
-    auto t0 = Clock::now();
-    auto deadline = t0 + std::chrono::milliseconds(timeout_ms);
-    if (!initiator) spin_for_marker(inbox_last, marker, deadline, i);
+    uint64_t t0 = ticks();
+    if (!initiator) spin_for_marker(inbox_last, marker, timeout_ms, i);
     *send_last = marker;
     pending.push_back(ep.submit(rdma::Op::kWrite, d));
     if (initiator) {
-      spin_for_marker(inbox_last, marker, deadline, i);
-      rtt.push_back(uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count()));
+      spin_for_marker(inbox_last, marker, timeout_ms, i);
+      rtt.push_back(ticks() - t0);
     }
     while (!pending.empty()) {
       auto r = ep.status(pending.front());
@@ -55,35 +141,137 @@ std::vector<uint64_t> write_pingpong(rdma::Endpoint& ep, uint8_t* buf, uint64_t 
     }
   }
   for (uint64_t req : pending) finish(ep, req, timeout_ms);
+  rate.to_ns(rtt);
   return rtt;
 }
 
 StreamResult write_stream(rdma::Endpoint& ep, rdma::Op op, uint64_t local_addr, uint64_t remote_addr, uint32_t rkey,
-                          uint64_t span, uint64_t size, uint32_t descs_per_req, uint32_t iters, uint32_t window) {
-  if (size == 0 || descs_per_req == 0 || window == 0 || span < size)
-    throw Error("write_stream: size, descs_per_req and window must be > 0 and span >= size");
-  uint64_t slots = span / size;
+                          uint64_t span, uint64_t size, uint32_t descs_per_req, uint32_t iters, uint32_t window,
+                          uint32_t imm) {
+  check_shape("write_stream", size, descs_per_req, window, span);
+  Slots slots(span, size);
   std::vector<rdma::Desc> d(descs_per_req);
-  std::deque<uint64_t> inflight;
-  uint64_t slot = 0;
+  std::deque<std::pair<uint64_t, uint64_t>> inflight;  // (request, submit tick)
+  std::vector<uint64_t> lat;
+  lat.reserve(iters);
+  auto reap = [&] {
+    finish(ep, inflight.front().first, 60000);
+    lat.push_back(ticks() - inflight.front().second);
+    inflight.pop_front();
+  };
+  TickRate rate;
   auto t0 = Clock::now();
   for (uint32_t i = 0; i < iters; ++i) {
     for (auto& x : d) {
-      uint64_t off = (slot++ % slots) * size;
+      uint64_t off = slots.take();
       x = {local_addr + off, remote_addr + off, size, rkey};
     }
-    if (inflight.size() >= window) {
-      finish(ep, inflight.front(), 60000);
-      inflight.pop_front();
-    }
-    inflight.push_back(ep.submit(op, d));
+    if (inflight.size() >= window) reap();
+    uint64_t ts = ticks();
+    inflight.emplace_back(ep.submit(op, d, imm), ts);
   }
-  for (uint64_t r : inflight) finish(ep, r, 60000);
+  while (!inflight.empty()) reap();
   StreamResult res;
-  res.elapsed_ns = uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count());
+  res.elapsed_ns = ns_since(t0);
   res.bytes = uint64_t(iters) * descs_per_req * size;
   res.requests = iters;
+  summarize(lat, rate, res);
   return res;
+}
+
+std::vector<uint64_t> op_latency(rdma::Endpoint& ep, rdma::Op op, uint64_t local_addr, uint64_t remote_addr,
+                                 uint32_t rkey, uint64_t size, uint32_t descs_per_req, uint32_t iters,
+                                 uint32_t timeout_ms) {
+  check_shape("op_latency", size, descs_per_req, 1, std::max<uint64_t>(size, 1));
+  std::vector<rdma::Desc> d(descs_per_req);
+  for (uint32_t k = 0; k < descs_per_req; ++k) d[k] = {local_addr + k * size, remote_addr + k * size, size, rkey};
+  std::vector<uint64_t> out;
+  out.reserve(iters);
+  TickRate rate;
+  for (uint32_t i = 0; i < iters; ++i) {
+    uint64_t t0 = ticks();
+    uint64_t req = ep.submit(op, d, i);
+    finish(ep, req, timeout_ms);
+    out.push_back(ticks() - t0);
+  }
+  rate.to_ns(out);
+  return out;
+}
+
+uint64_t drain_imm(rdma::Endpoint& ep, uint64_t count, uint32_t timeout_ms) {
+  uint64_t got = 0;
+  uint32_t idle = 0;  // empty polls in a row; the clock is read every 64th only
+  Clock::time_point quiet_since{};
+  while (got < count) {
+    auto v = ep.poll_imm(size_t(std::min<uint64_t>(count - got, 256)));
+    if (!v.empty()) {
+      got += v.size();
+      idle = 0;
+      continue;
+    }
+    if (ep.closed() || ep.dead()) break;
+    if ((++idle & 63) == 0) {
+      auto now = Clock::now();
+      if (idle == 64) quiet_since = now;
+      else if (now - quiet_since > std::chrono::milliseconds(timeout_ms)) break;
+    }
+    std::this_thread::yield();  // a busy consumer, as a receiver replenishing its queue would be
+  }
+  return got;
+}
+
+StreamResult engine_stream(engine::Engine& e, const std::string& remote, engine::TransferOp op, int64_t flag,
+                           uint64_t local_addr, uint64_t remote_addr, uint64_t span, uint64_t size,
+                           uint32_t descs_per_req, uint32_t iters, uint32_t window, uint32_t timeout_ms) {
+  check_shape("engine_stream", size, descs_per_req, window, span);
+  Slots slots(span, size);
+  std::vector<engine::OpDesc> d(descs_per_req);
+  std::deque<std::pair<uint64_t, uint64_t>> inflight;  // (request, submit tick)
+  std::vector<uint64_t> lat;
+  lat.reserve(iters);
+  auto reap = [&] {
+    engine_finish(e, inflight.front().first, timeout_ms);
+    lat.push_back(ticks() - inflight.front().second);
+    inflight.pop_front();
+  };
+  TickRate rate;
+  auto t0 = Clock::now();
+  for (uint32_t i = 0; i < iters; ++i) {
+    for (auto& x : d) {
+      uint64_t off = slots.take();
+      x = {local_addr + off, remote_addr + off, size};
+    }
+    if (inflight.size() >= window) reap();
+    uint64_t ts = ticks();
+    auto [rc, req] = e.transfer_async(remote, op, d, i, flag);
+    engine_check(e, rc, "transfer_async");
+    inflight.emplace_back(req, ts);
+  }
+  while (!inflight.empty()) reap();
+  StreamResult res;
+  res.elapsed_ns = ns_since(t0);
+  res.bytes = uint64_t(iters) * descs_per_req * size;
+  res.requests = iters;
+  summarize(lat, rate, res);
+  return res;
+}
+
+std::vector<uint64_t> engine_latency(engine::Engine& e, const std::string& remote, engine::TransferOp op,
+                                     int64_t flag, uint64_t local_addr, uint64_t remote_addr, uint64_t size,
+                                     uint32_t descs_per_req, uint32_t iters, uint32_t timeout_ms) {
+  check_shape("engine_latency", size, descs_per_req, 1, size);
+  std::vector<engine::OpDesc> d(descs_per_req);
+  for (uint32_t k = 0; k < descs_per_req; ++k) d[k] = {local_addr + k * size, remote_addr + k * size, size};
+  std::vector<uint64_t> out;
+  out.reserve(iters);
+  TickRate rate;
+  for (uint32_t i = 0; i < iters; ++i) {
+    uint64_t t0 = ticks();
+    engine_check(e, e.transfer_sync(remote, op, d, int(timeout_ms), flag), "transfer_sync");
+    out.push_back(ticks() - t0);
+  }
+  rate.to_ns(out);
+  return out;
 }
 
 }  // namespace hixl::perf

@@ -289,7 +289,8 @@ int Endpoint::progress_locked(int budget) {
   ibv_wc wc[32];
   int total = 0;
   while (total < budget) {
-    int n = send_cq_->poll(wc, std::min(32, budget - total));
+    const int want = std::min(32, budget - total);
+    int n = send_cq_->poll(wc, want);
     if (n == 0) break;
     total += n;
     for (int i = 0; i < n; ++i) {
@@ -312,6 +313,7 @@ int Endpoint::progress_locked(int budget) {
       }
       if (wc[i].wr_id > completed_seq_) completed_seq_ = wc[i].wr_id;
     }
+    if (n < want) break;  // the CQ was drained: a second, empty poll would only cost time
   }
   retire_completed_locked();
   return total;
