@@ -1,4 +1,4 @@
-"""`hixl` command line: `hixl demo`, `hixl devices`."""
+"""`hixl` command line: `hixl demo`, `hixl bench`, `hixl devices`."""
 from __future__ import annotations
 
 import sys
@@ -10,12 +10,15 @@ def main(argv=None) -> int:
     if cmd == "demo":
         from .demo import main as demo
         return demo(argv)
+    if cmd == "bench":
+        from .bench import main as bench
+        return bench(argv)
     if cmd == "devices":
         from . import list_devices
         for d in list_devices():
             print(f"{d['name']}\tactive_ports={d['active_ports']}")
         return 0
-    print("usage: hixl {demo,devices} [options]", file=sys.stderr)
+    print("usage: hixl {demo,bench,devices} [options]", file=sys.stderr)
     return 0 if cmd in ("help", "-h", "--help") else 2
 
 
