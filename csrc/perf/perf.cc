@@ -111,6 +111,53 @@ void engine_finish(engine::Engine& e, uint64_t req, uint32_t timeout_ms) {
   if (st != int(engine::TransferStatus::kCompleted))
     throw Error("perf: engine request did not complete (status " + std::to_string(st) + "): " + e.last_error());
 }
+
+// The windowed loop of both streams: `iters` requests of d.size() descriptors of `size` bytes, each
+// descriptor at the next slot of `span` (make(offset) builds it), at most `window` outstanding.
+// submit(descs, i) -> request id; finish(request) waits for it and throws unless it completed.
+template <class D, class Make, class Submit, class Finish>
+StreamResult windowed_stream(std::vector<D>& d, uint64_t span, uint64_t size, uint32_t iters, uint32_t window,
+                             Make make, Submit submit, Finish finish) {
+  Slots slots(span, size);
+  std::deque<std::pair<uint64_t, uint64_t>> inflight;  // (request, submit tick)
+  std::vector<uint64_t> lat;
+  lat.reserve(iters);
+  auto reap = [&] {
+    finish(inflight.front().first);
+    lat.push_back(ticks() - inflight.front().second);
+    inflight.pop_front();
+  };
+  TickRate rate;
+  auto t0 = Clock::now();
+  for (uint32_t i = 0; i < iters; ++i) {
+    for (auto& x : d) x = make(slots.take());
+    if (inflight.size() >= window) reap();
+    uint64_t ts = ticks();
+    inflight.emplace_back(submit(d, i), ts);
+  }
+  while (!inflight.empty()) reap();
+  StreamResult res;
+  res.elapsed_ns = ns_since(t0);
+  res.bytes = uint64_t(iters) * d.size() * size;
+  res.requests = iters;
+  summarize(lat, rate, res);
+  return res;
+}
+
+// `iters` calls one at a time; call(i) returns once that call completed. Each call's time in ns.
+template <class Call>
+std::vector<uint64_t> one_at_a_time(uint32_t iters, Call call) {
+  std::vector<uint64_t> out;
+  out.reserve(iters);
+  TickRate rate;
+  for (uint32_t i = 0; i < iters; ++i) {
+    uint64_t t0 = ticks();
+    call(i);
+    out.push_back(ticks() - t0);
+  }
+  rate.to_ns(out);
+  return out;
+}
 }  // namespace
 
 std::vector<uint64_t> write_pingpong(rdma::Endpoint& ep, uint8_t* buf, uint64_t remote_recv_addr, uint32_t rkey,
@@ -149,34 +196,12 @@ StreamResult write_stream(rdma::Endpoint& ep, rdma::Op op, uint64_t local_addr, 
                           uint64_t span, uint64_t size, uint32_t descs_per_req, uint32_t iters, uint32_t window,
                           uint32_t imm) {
   check_shape("write_stream", size, descs_per_req, window, span);
-  Slots slots(span, size);
   std::vector<rdma::Desc> d(descs_per_req);
-  std::deque<std::pair<uint64_t, uint64_t>> inflight;  // (request, submit tick)
-  std::vector<uint64_t> lat;
-  lat.reserve(iters);
-  auto reap = [&] {
-    finish(ep, inflight.front().first, 60000);
-    lat.push_back(ticks() - inflight.front().second);
-    inflight.pop_front();
-  };
-  TickRate rate;
-  auto t0 = Clock::now();
-  for (uint32_t i = 0; i < iters; ++i) {
-    for (auto& x : d) {
-      uint64_t off = slots.take();
-      x = {local_addr + off, remote_addr + off, size, rkey};
-    }
-    if (inflight.size() >= window) reap();
-    uint64_t ts = ticks();
-    inflight.emplace_back(ep.submit(op, d, imm), ts);
-  }
-  while (!inflight.empty()) reap();
-  StreamResult res;
-  res.elapsed_ns = ns_since(t0);
-  res.bytes = uint64_t(iters) * descs_per_req * size;
-  res.requests = iters;
-  summarize(lat, rate, res);
-  return res;
+  return windowed_stream(
+      d, span, size, iters, window,
+      [&](uint64_t off) { return rdma::Desc{local_addr + off, remote_addr + off, size, rkey}; },
+      [&](const std::vector<rdma::Desc>& descs, uint32_t) { return ep.submit(op, descs, imm); },
+      [&](uint64_t req) { finish(ep, req, 60000); });
 }
 
 std::vector<uint64_t> op_latency(rdma::Endpoint& ep, rdma::Op op, uint64_t local_addr, uint64_t remote_addr,
@@ -185,17 +210,7 @@ std::vector<uint64_t> op_latency(rdma::Endpoint& ep, rdma::Op op, uint64_t local
   check_shape("op_latency", size, descs_per_req, 1, std::max<uint64_t>(size, 1));
   std::vector<rdma::Desc> d(descs_per_req);
   for (uint32_t k = 0; k < descs_per_req; ++k) d[k] = {local_addr + k * size, remote_addr + k * size, size, rkey};
-  std::vector<uint64_t> out;
-  out.reserve(iters);
-  TickRate rate;
-  for (uint32_t i = 0; i < iters; ++i) {
-    uint64_t t0 = ticks();
-    uint64_t req = ep.submit(op, d, i);
-    finish(ep, req, timeout_ms);
-    out.push_back(ticks() - t0);
-  }
-  rate.to_ns(out);
-  return out;
+  return one_at_a_time(iters, [&](uint32_t i) { finish(ep, ep.submit(op, d, i), timeout_ms); });
 }
 
 uint64_t drain_imm(rdma::Endpoint& ep, uint64_t count, uint32_t timeout_ms) {
@@ -224,36 +239,16 @@ StreamResult engine_stream(engine::Engine& e, const std::string& remote, engine:
                            uint64_t local_addr, uint64_t remote_addr, uint64_t span, uint64_t size,
                            uint32_t descs_per_req, uint32_t iters, uint32_t window, uint32_t timeout_ms) {
   check_shape("engine_stream", size, descs_per_req, window, span);
-  Slots slots(span, size);
   std::vector<engine::OpDesc> d(descs_per_req);
-  std::deque<std::pair<uint64_t, uint64_t>> inflight;  // (request, submit tick)
-  std::vector<uint64_t> lat;
-  lat.reserve(iters);
-  auto reap = [&] {
-    engine_finish(e, inflight.front().first, timeout_ms);
-    lat.push_back(ticks() - inflight.front().second);
-    inflight.pop_front();
-  };
-  TickRate rate;
-  auto t0 = Clock::now();
-  for (uint32_t i = 0; i < iters; ++i) {
-    for (auto& x : d) {
-      uint64_t off = slots.take();
-      x = {local_addr + off, remote_addr + off, size};
-    }
-    if (inflight.size() >= window) reap();
-    uint64_t ts = ticks();
-    auto [rc, req] = e.transfer_async(remote, op, d, i, flag);
-    engine_check(e, rc, "transfer_async");
-    inflight.emplace_back(req, ts);
-  }
-  while (!inflight.empty()) reap();
-  StreamResult res;
-  res.elapsed_ns = ns_since(t0);
-  res.bytes = uint64_t(iters) * descs_per_req * size;
-  res.requests = iters;
-  summarize(lat, rate, res);
-  return res;
+  return windowed_stream(
+      d, span, size, iters, window,
+      [&](uint64_t off) { return engine::OpDesc{local_addr + off, remote_addr + off, size}; },
+      [&](const std::vector<engine::OpDesc>& descs, uint32_t i) {
+        auto [rc, req] = e.transfer_async(remote, op, descs, i, flag);
+        engine_check(e, rc, "transfer_async");
+        return req;
+      },
+      [&](uint64_t req) { engine_finish(e, req, timeout_ms); });
 }
 
 std::vector<uint64_t> engine_latency(engine::Engine& e, const std::string& remote, engine::TransferOp op,
@@ -262,16 +257,9 @@ std::vector<uint64_t> engine_latency(engine::Engine& e, const std::string& remot
   check_shape("engine_latency", size, descs_per_req, 1, size);
   std::vector<engine::OpDesc> d(descs_per_req);
   for (uint32_t k = 0; k < descs_per_req; ++k) d[k] = {local_addr + k * size, remote_addr + k * size, size};
-  std::vector<uint64_t> out;
-  out.reserve(iters);
-  TickRate rate;
-  for (uint32_t i = 0; i < iters; ++i) {
-    uint64_t t0 = ticks();
+  return one_at_a_time(iters, [&](uint32_t) {
     engine_check(e, e.transfer_sync(remote, op, d, int(timeout_ms), flag), "transfer_sync");
-    out.push_back(ticks() - t0);
-  }
-  rate.to_ns(out);
-  return out;
+  });
 }
 
 }  // namespace hixl::perf
