@@ -212,3 +212,51 @@ def test_rdma_sweep_vs_perftest(tmp_path):
     half = [r for r in doc["ratios"] if r["lat_metric"].startswith("half RTT")]
     assert {r["size_B"] for r in half} == {8, 4096} and all(r["lat_ratio"] > 0 for r in half)
     assert "== ratio: ours / peer" in cp.stdout
+
+
+def test_bench_server_runs_only_what_the_bench_needs():
+    """The bench server (no authentication, like perftest) must not be a remote shell: only perftest's
+    tools with their flags, MC_* settings for Mooncake, bounded buffers."""
+    from hixl import bench_server as srv
+    ok = ["ib_write_bw", "-d", "rxe0", "-x", "1", "-s", "4096", "-n", "100", "-F", "-p", "18515", "-t", "128"]
+    assert srv.checked_perftest_args(ok) == ok
+    for bad in (["sh", "-c", "id"], ["ib_write_bw", "-p", "1", "--run_infinitely"], ["ib_write_bw", "-d", "x;id"],
+                ["ib_write_bw", "-p", "1", "-d"], ["/usr/bin/ib_write_bw", "-p", "1"], ["ib_write_bw", "-s", "8"],
+                "ib_write_bw -p 1", [], ["ib_write_bw", "-p", 5]):
+        with pytest.raises(ValueError):
+            srv.checked_perftest_args(bad)
+    assert srv.checked_mooncake_env({"MC_GID_INDEX": "1", "MC_LOG_LEVEL": "ERROR"}) == {"MC_GID_INDEX": "1",
+                                                                                       "MC_LOG_LEVEL": "ERROR"}
+    for bad in ({"LD_PRELOAD": "/tmp/x.so"}, {"MC_X": "a b"}, {"MC_X": 1}, ["MC_X"]):
+        with pytest.raises(ValueError):
+            srv.checked_mooncake_env(bad)
+    assert srv.checked_bytes(4096) == 4096
+    for bad in (0, -1, 1 << 40, "4096", True, 1.5):
+        with pytest.raises(ValueError):
+            srv.checked_bytes(bad)
+
+
+def test_bench_server_refuses_a_bad_command_over_the_wire(tmp_path):
+    """Through the real JSON-lines protocol: an error reply, and the server keeps serving."""
+    import subprocess as sp
+    from hixl.bench_server import Ctl
+    proc = sp.Popen([sys.executable, "-m", "hixl.bench", "--serve", "--once", "--listen", "127.0.0.1:0"],
+                    stdout=sp.PIPE, stdin=sp.DEVNULL, text=True)
+    try:
+        port = json.loads(proc.stdout.readline())["port"]
+        ctl = Ctl("127.0.0.1", port)
+        marker = tmp_path / "pwned"
+        with pytest.raises(RuntimeError, match="must be one of"):
+            ctl.call("perftest", args=["sh", "-c", "touch %s" % marker])
+        with pytest.raises(RuntimeError, match="not allowed"):
+            ctl.call("mooncake_target", protocol="tcp", bytes=4096, device="", env={"LD_PRELOAD": str(marker)})
+        with pytest.raises(RuntimeError, match="bytes must be"):
+            ctl.call("engine_target", transport="tcp", bytes=1 << 40)
+        assert ctl.call("hello")  # still serving
+        ctl.close()
+        assert proc.wait(30) == 0
+        assert not marker.exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stdout.close()

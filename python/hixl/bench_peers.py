@@ -280,6 +280,21 @@ def nixl_unavailable() -> Optional[str]:
     return "NIXL not importable (%s)" % NIXL_PIP
 
 
+def nixl_rdma_unsupported(device: str) -> Optional[str]:
+    """Why NIXL (the nixl-cu12 wheel) cannot drive `device`, or None.
+
+    The wheel bundles its own libibverbs (rdma-core 48, providers looked up under /usr/lib64) with
+    only the mlx5 provider inside. This system's providers register with this system's libibverbs,
+    not the bundled one, so UCX in the wheel sees no other device (seen on rxe0: "transport
+    'rc_verbs' is not available")."""
+    drv = "/sys/class/infiniband/%s/device/driver" % device
+    driver = os.path.basename(os.path.realpath(drv)) if os.path.exists(drv) else None
+    if driver == "mlx5_core":
+        return None
+    return ("NIXL from PyPI (nixl-cu12) bundles libibverbs with the mlx5 provider only; %s (driver %s) is "
+            "invisible to its UCX: NIXL over RDMA needs an mlx5 NIC here" % (device, driver or "rxe/unknown"))
+
+
 def nixl_main(a: argparse.Namespace) -> int:
     """Two UCX agents in this process, initiator -> target; one JSON line per size."""
     _die_with_parent()

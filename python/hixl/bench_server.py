@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -81,6 +82,54 @@ class Ctl:
 
 
 # ----------------------------------------------------------------------------------------- bench server
+# What a client may ask the server to run: the server half of a perftest tool with the flags
+# bench_peers.perftest_args writes, each value a plain token, and Mooncake's MC_* settings. The server
+# has no authentication (as perftest itself); these checks keep a client to what the bench needs:
+# no other program, option, environment variable (LD_PRELOAD, PATH) or unbounded buffer.
+PERFTEST_FLAGS_WITH_VALUE = {"-d", "-x", "-s", "-n", "-p", "-t"}
+PERFTEST_FLAGS = {"-F"}
+_TOKEN = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+MAX_TARGET_BYTES = 16 << 30
+
+
+def checked_perftest_args(args: Any) -> List[str]:
+    tools = set(peers.PERFTEST_TOOLS.values())
+    if not isinstance(args, list) or not args or args[0] not in tools:
+        raise ValueError("perftest: the command must be one of %s" % ", ".join(sorted(tools)))
+    out, i = [args[0]], 1
+    while i < len(args):
+        flag = args[i]
+        if flag in PERFTEST_FLAGS:
+            out.append(flag)
+            i += 1
+        elif flag in PERFTEST_FLAGS_WITH_VALUE and i + 1 < len(args) and isinstance(args[i + 1], str) \
+                and _TOKEN.fullmatch(args[i + 1]):
+            out += [flag, args[i + 1]]
+            i += 2
+        else:
+            raise ValueError("perftest: argument %r not allowed (flags: %s)"
+                             % (flag, " ".join(sorted(PERFTEST_FLAGS | PERFTEST_FLAGS_WITH_VALUE))))
+    if "-p" not in out:
+        raise ValueError("perftest: -p PORT is required")
+    return out
+
+
+def checked_mooncake_env(env: Any) -> Dict[str, str]:
+    if not isinstance(env, dict):
+        raise ValueError("mooncake env must be a JSON object")
+    for k, v in env.items():
+        if not (isinstance(k, str) and re.fullmatch(r"MC_[A-Z0-9_]{1,40}", k) and isinstance(v, str)
+                and (v == "" or _TOKEN.fullmatch(v))):
+            raise ValueError("mooncake env: %r=%r not allowed (MC_* names, plain values only)" % (k, v))
+    return dict(env)
+
+
+def checked_bytes(n: Any) -> int:
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_TARGET_BYTES:
+        raise ValueError("bytes must be an integer in 1..%d, got %r" % (MAX_TARGET_BYTES, n))
+    return n
+
+
 class Server:
     """The target side: answers one JSON command per line (see Ctl.call)."""
 
@@ -194,7 +243,7 @@ class Server:
     def do_endpoint_target(self, bytes: int) -> Dict[str, Any]:  # noqa: A002
         from .endpoint import Endpoint
         ep = Endpoint(self.a.device, gid_index=self.a.gid_index)
-        buf = np.zeros(bytes, np.uint8)
+        buf = np.zeros(checked_bytes(bytes), np.uint8)
         mr = ep.register(buf)
         port = ep.listen(self.peer_ip, 0)
         i = self._add(ep=ep, buf=buf, mr=mr, threads=[], stop=threading.Event())
@@ -207,6 +256,9 @@ class Server:
                     timeout_ms: int = 60000) -> Dict[str, Any]:
         from . import _core
         o = self.objs[id]
+        if not isinstance(size, int) or not 1 <= size <= len(o["buf"]) // 2:  # send half + inbox half
+            raise ValueError("pingpong: size must be in 1..%d (half the target buffer), got %r"
+                             % (len(o["buf"]) // 2, size))
         o["buf"][:2 * size] = 0
         self._run_bg(id, lambda: _core.perf_write_pingpong(o["ep"].raw, o["mr"].addr, peer_addr + size, peer_rkey,
                                                            size, iters, False, timeout_ms))
@@ -233,6 +285,9 @@ class Server:
 
     def do_engine_target(self, transport: str, bytes: int, mem: str = "host") -> Dict[str, Any]:  # noqa: A002
         import hixl
+        bytes = checked_bytes(bytes)  # noqa: A001
+        if transport not in ("rdma", "shm", "tcp") or mem not in ("host", "acl"):
+            raise ValueError("engine target: transport must be rdma, shm or tcp and mem host or acl")
         e = hixl.Hixl()
         opts = {"HixlTransport": transport}
         if self.a.device:
@@ -265,7 +320,7 @@ class Server:
 
     def do_perftest(self, args: List[str]) -> Dict[str, Any]:
         """Starts perftest's server half (args from bench_peers.perftest_args, device/GID are ours)."""
-        args = list(args)
+        args = checked_perftest_args(args)
         for flag, val in (("-d", self.a.device), ("-x", self.a.gid_index)):
             if val is not None and flag in args:
                 args[args.index(flag) + 1] = str(val)
@@ -287,7 +342,10 @@ class Server:
         return {"rc": o["proc"].returncode, "out": out[-3000:]}
 
     def do_mooncake_target(self, protocol: str, bytes: int, device: str, env: Dict[str, str]) -> Dict[str, Any]:  # noqa: A002
-        env = dict(env)
+        env = checked_mooncake_env(env)
+        bytes = checked_bytes(bytes)  # noqa: A001
+        if protocol not in ("rdma", "tcp") or not _TOKEN.fullmatch(device or "-"):
+            raise ValueError("mooncake target: protocol must be rdma or tcp and device a plain name")
         if self.a.gid_index is not None and protocol == "rdma":  # this side's own settings win
             env["MC_GID_INDEX"] = str(self.a.gid_index)
         proc = peers.spawn(["mooncake-target", "--protocol", protocol, "--host", self.peer_ip, "--device",
