@@ -1,4 +1,5 @@
-// Shared-secret peer authentication (engine option HixlAuthToken / env HIXL_AUTH_TOKEN).
+// Shared-secret peer authentication (engine option HixlAuthToken / env HIXL_AUTH_TOKEN; for the
+// low-level rdma::Endpoint handshake, EndpointOptions::auth_token: hixl.Endpoint(auth_token=...)).
 //
 // When the client has a token, every TCP connection it opens to a listener (the control connection
 // before its Connect, each tcp data connection before its Attach) starts with this exchange, and
@@ -36,6 +37,8 @@ namespace hixl::auth {
 constexpr uint32_t kSchemeHmacSha256 = 1;
 // The status a listener without a token refuses an AuthHello with (engine::kUnsupported).
 constexpr uint32_t kStatusNoAuth = 103905;
+// The status of any other refusal by a listener with a token (engine::kFailed).
+constexpr uint32_t kStatusRefused = 503900;
 // Payload bound for the frames read before a peer proved the token (AuthHello is 36 bytes).
 constexpr uint32_t kMaxPreAuthPayload = 64;
 using Nonce = std::array<uint8_t, wire::kAuthBytes>;

@@ -22,6 +22,7 @@ using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
 
 static_assert(auth::kStatusNoAuth == uint32_t(kUnsupported), "auth/handshake.h names engine::kUnsupported");
+static_assert(auth::kStatusRefused == uint32_t(kFailed), "auth/handshake.h names engine::kFailed");
 
 namespace {
 

@@ -6,8 +6,10 @@
 #include <random>
 #include <thread>
 
+#include "auth/handshake.h"
 #include "verbs/error.h"
 #include "verbs/log.h"
+#include "wire/control.h"
 
 namespace hixl::rdma {
 
@@ -168,31 +170,82 @@ uint16_t Endpoint::listen(const std::string& host, uint16_t port) {
   return bound;
 }
 
+namespace {
+// A refusal the peer can read whatever state it is in: a control Refuse frame (what
+// auth::client_handshake and the hello reader below understand), then drain so our close does not
+// reset the connection before the peer read it.
+void refuse_peer(const oob::Socket& s, uint32_t status, const std::string& why, Clock::time_point deadline) {
+  wire::Control r;
+  r.type = wire::FrameType::kRefuse;
+  r.status = status;
+  r.text = why;
+  try {
+    oob::send_all(s, wire::encode_control(r), deadline);
+    oob::drain(s, std::min(deadline, Clock::now() + milliseconds(200)));
+  } catch (...) {
+  }
+}
+}  // namespace
+
 wire::Hello Endpoint::handshake(oob::Socket& s, bool server, milliseconds timeout) {
   auto deadline = Clock::now() + timeout;
-  auto read_hello = [&]() {
-    auto [h, payload] = oob::recv_frame(s, deadline);
+  const std::string& token = opts_.auth_token;
+  auto parse_hello = [](const wire::Header& h, const std::vector<uint8_t>& payload) {
     if (h.type == wire::FrameType::kReject)
       throw Error("handshake: peer rejected us: " + std::string(payload.begin(), payload.end()));
+    if (h.type == wire::FrameType::kRefuse)
+      throw Error("handshake: peer refused us: " + wire::parse_control(h.type, payload.data(), payload.size()).text);
     if (h.type != wire::FrameType::kHello) throw Error("handshake: expected hello, got frame type " + std::to_string(int(h.type)));
     return wire::parse_hello(payload.data(), payload.size());
   };
   auto mine = wire::encode_hello(local_info().hello);
   wire::Hello peer;
   if (server) {
+    const std::string from = oob::peer_address(s);
+    wire::Header h = oob::recv_header(s, deadline);
+    if (!token.empty()) {
+      // Nothing longer than an auth frame is read, and nothing of ours sent, before the peer proved the token.
+      std::string why, reply;  // reply: what the peer is told (never the details of our socket)
+      if (h.type != wire::FrameType::kAuthHello) {
+        why = reply = "authentication required (this endpoint accepts only peers with its auth token)";
+      } else {
+        try {
+          auto payload = oob::recv_payload(s, h, deadline, auth::kMaxPreAuthPayload);
+          why = reply = auth::server_handshake(s, token, wire::parse_control(h.type, payload.data(), payload.size()),
+                                               deadline);
+        } catch (const Error& e) {
+          why = std::string("bad auth exchange: ") + e.what();
+          reply = "bad handshake (authentication required)";
+        }
+      }
+      if (!why.empty()) {
+        refuse_peer(s, auth::kStatusRefused, reply, deadline);
+        log::warn("Endpoint::accept: refused the peer at " + from + ": " + why);
+        throw Error("Endpoint::accept: refused the peer at " + from + ": " + why, EACCES);
+      }
+      h = oob::recv_header(s, deadline);
+    } else if (h.type == wire::FrameType::kAuthHello) {
+      refuse_peer(s, auth::kStatusNoAuth, "this endpoint has no auth token: it does not authenticate peers", deadline);
+      throw Error("Endpoint::accept: refused the peer at " + from +
+                  ": it authenticates, this endpoint has no auth token (give both sides the same auth_token / "
+                  "HIXL_AUTH_TOKEN)", EACCES);
+    }
     try {
-      peer = read_hello();
+      auto payload = oob::recv_payload(s, h, deadline);
+      peer = parse_hello(h, payload);
     } catch (const Error& e) {
       try { oob::send_all(s, wire::encode_reject(e.what()), deadline); } catch (...) {}
       throw;
     }
     connect(peer);  // RTR before we answer: the client may write as soon as it has our reply
     oob::send_all(s, mine, deadline);
-    auto [h, payload] = oob::recv_frame(s, deadline);
-    if (h.type != wire::FrameType::kReady) throw Error("handshake: expected READY from the client");
+    auto [rh, payload] = oob::recv_frame(s, deadline);
+    if (rh.type != wire::FrameType::kReady) throw Error("handshake: expected READY from the client");
   } else {
+    if (!token.empty()) auth::client_handshake(s, token, deadline);  // before anything of ours
     oob::send_all(s, mine, deadline);
-    peer = read_hello();
+    auto [h, payload] = oob::recv_frame(s, deadline);
+    peer = parse_hello(h, payload);
     connect(peer);
     oob::send_all(s, wire::encode_ready(), deadline);
   }

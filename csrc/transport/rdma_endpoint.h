@@ -42,6 +42,10 @@ struct EndpointOptions {
   uint8_t service_level = 0;
   uint8_t timeout = 14;
   uint8_t retry_cnt = 7;
+  // Shared secret of the out-of-band handshake (listen/accept/connect_tcp), as the engine's
+  // HixlAuthToken (auth/handshake.h): "" = none. With one, nothing of ours (QPN, GID, regions, rkeys)
+  // is sent before the peer proved it knows the token, and a peer that cannot is refused.
+  std::string auth_token;
 };
 
 struct Desc {
@@ -89,7 +93,9 @@ class Endpoint {
   // INIT -> (receives posted) -> RTR -> RTS against the peer's plain info. Path MTU = min(local, remote).
   void connect(const wire::Hello& remote);
 
-  // Out-of-band TCP handshake (exchanges QP info and region lists, then a READY frame).
+  // Out-of-band TCP handshake (exchanges QP info and region lists, then a READY frame), after the
+  // auth exchange when options().auth_token is set. A refused or failed accept() leaves the endpoint
+  // unconnected and listening: accept() may be called again.
   uint16_t listen(const std::string& host, uint16_t port);
   wire::Hello accept(std::chrono::milliseconds timeout);
   wire::Hello connect_tcp(const std::string& host, uint16_t port, std::chrono::milliseconds timeout);

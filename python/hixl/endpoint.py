@@ -15,11 +15,12 @@ Typical use::
 from __future__ import annotations
 
 import enum
+import os
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Sequence, Tuple, Union
 
 from . import _core
-from .types import TransferStatus
+from .types import ENV_AUTH_TOKEN, TransferStatus
 
 HixlError = _core.HixlError
 NotSupportedError = _core.NotSupportedError
@@ -76,15 +77,26 @@ DescLike = Tuple[int, int, int]
 
 
 class Endpoint:
-    """One RC connection on an RDMA device (``device=None``: ``$HIXL_DEVICE`` or the first active one)."""
+    """One RC connection on an RDMA device (``device=None``: ``$HIXL_DEVICE`` or the first active one).
+
+    ``auth_token`` (``None``: ``$HIXL_AUTH_TOKEN``, else none): the shared secret of the out-of-band
+    handshake (``listen``/``accept``/``connect_tcp``), the same HMAC-SHA-256 challenge/response as
+    ``hixl.Hixl``'s ``HixlAuthToken``. With one, nothing of this endpoint (QPN, GID, regions) is sent
+    before the peer proved the token; ``accept`` raises for a peer that cannot (and may be called
+    again), ``connect_tcp`` raises for a listener that has no token or cannot prove it."""
 
     def __init__(self, device: Optional[str] = None, *, port: int = 1, gid_index: Optional[int] = None,
                  sq_depth: int = 256, rq_depth: int = 256, max_inline: int = 64,
                  slice_bytes: int = 4 << 20, max_chain: int = 64, busy_poll_us: int = 20,
-                 traffic_class: int = 0, service_level: int = 0, timeout: int = 14, retry_cnt: int = 7):
+                 traffic_class: int = 0, service_level: int = 0, timeout: int = 14, retry_cnt: int = 7,
+                 auth_token: Optional[str] = None):
+        if auth_token is None:
+            auth_token = os.environ.get(ENV_AUTH_TOKEN, "")
+        if not isinstance(auth_token, str):
+            raise HixlError(f"Endpoint: auth_token must be a str, got {type(auth_token).__name__}")
         self._ep = _core.Endpoint(device or "", port, -1 if gid_index is None else gid_index, sq_depth,
                                   rq_depth, max_inline, slice_bytes, max_chain, busy_poll_us, traffic_class,
-                                  service_level, timeout, retry_cnt)
+                                  service_level, timeout, retry_cnt, auth_token)
         self._regions: dict[int, MemoryRegion] = {}
 
     # -- connection -------------------------------------------------------------------------
