@@ -165,8 +165,10 @@ def goals(ratio_rows: Sequence[Dict[str, Any]], measured_peers: Sequence[str]) -
         goal("lat_vs_mooncake_rdma_all_sizes", "WRITE latency (one call) < Mooncake rdma at every size (engine path)",
              pick("mooncake-rdma", "write", None, 1, ("engine", "endpoint", "python")) if mc else [], "lat_ratio",
              lambda v: v < 1.0, "< 1.0x", need_mc),
-        goal("1000x4KiB_vs_ib_write_bw_4KiB", "1000 x 4 KiB descriptors in one call >= 0.8x ib_write_bw at 4 KiB",
-             pick("perftest", "write", 4096, 1000, ("endpoint", "engine")) if pt else [], "bw_ratio",
+        goal("1000x4KiB_vs_ib_write_bw_4KiB", "1000 x 4 KiB descriptors in one call >= 0.8x ib_write_bw at 4 KiB "
+             "(endpoint and engine paths)",
+             pick("perftest", "write", 4096, 1000, ("endpoint",)) + pick("perftest", "write", 4096, 1000, ("engine",))
+             if pt else [], "bw_ratio",
              lambda v: v >= 0.8, ">= 0.8x", need_pt),
     ]
 
