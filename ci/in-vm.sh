@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs INSIDE the rxe VM (via ci/rxe-vm.sh): the `rdma` and `interop` test tiers, then the
-# WRITE sweep benchmark against perftest on the same rxe0. Reports go to ci-artifacts/.
+# WRITE sweep benchmark against perftest and `hixl bench` (rdma vs perftest, Mooncake, NIXL) on the
+# same rxe0. Reports go to ci-artifacts/ (the bench's plots are drawn on the host: ci/test-all.sh).
 set -uo pipefail
 log() { echo "[ci] $*"; }
 ART="${RXE_ARTIFACTS:-ci-artifacts}"
@@ -21,6 +22,12 @@ if [ "${HIXL_SKIP_BENCH:-0}" != 1 ]; then
         --lat-iters "${HIXL_BENCH_LAT_ITERS:-500}" --json "$ART/write_sweep.json" 2>&1 | tee "$ART/write_sweep.txt"
     bench_rc=${PIPESTATUS[0]}
     log "bench exit status: $bench_rc"
+    log "hixl bench: rdma sweep vs perftest, Mooncake, NIXL on rxe0 (same VM run)"
+    "$PY" -m hixl.bench --transport rdma --op "${HIXL_BENCH_OPS:-write,read}" --vs perftest,mooncake,nixl \
+        --quick --no-plots --no-progress --out "$ART/bench" 2>&1
+    hb_rc=$?
+    log "hixl bench exit status: $hb_rc"
+    [ "$bench_rc" -ne 0 ] || bench_rc=$hb_rc
 fi
 [ "$test_rc" -eq 0 ] || exit "$test_rc"
 exit "$bench_rc"

