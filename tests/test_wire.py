@@ -39,8 +39,8 @@ def test_truncated_frames_are_refused(cut):
 
 def test_wrong_version_magic_and_oversize():
     f = bytearray(_core.wire_encode_hello(hello(0)))
-    g = bytearray(f); g[4] = 2
-    with pytest.raises(hixl.HixlError, match="unsupported protocol version 2"):
+    g = bytearray(f); g[4] = 9
+    with pytest.raises(hixl.HixlError, match="unsupported protocol version 9"):
         _core.wire_parse_hello_frame(bytes(g))
     g = bytearray(f); g[0] = 0
     with pytest.raises(hixl.HixlError, match="bad magic"):

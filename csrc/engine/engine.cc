@@ -123,6 +123,7 @@ const char* code_name(int code) {
 struct Engine::Link {
   std::string key;
   bool initiator = false;
+  uint64_t id = 0;  // random, chosen by the initiator: TCP data connections name it (wire Attach)
   uint64_t peer_instance = 0;
   wire::Transport transport = wire::Transport::kNone;
   std::shared_ptr<transport::DataPath> path;  // what moves the bytes
@@ -791,13 +792,16 @@ int Engine::connect_once(const std::string& key, int timeout_ms, uint32_t offers
   auto link = std::make_shared<Link>();
   link->key = key;
   link->initiator = true;
+  link->id = random_instance() | 1;
   auto ep = (offers & wire::transport_bit(wire::Transport::kRdma)) ? make_endpoint() : nullptr;
   wire::Control peer;
   {
     HandshakeGuard guard(*this, &s);
     try {
       if (!opts_.auth_token.empty()) auth::client_handshake(s, opts_.auth_token, deadline);  // before anything of ours
-      oob::send_all(s, wire::encode_control(hello_frame(wire::FrameType::kConnect, ep, offers)), deadline);
+      wire::Control hello = hello_frame(wire::FrameType::kConnect, ep, offers);
+      hello.link = link->id;
+      oob::send_all(s, wire::encode_control(hello), deadline);
       auto [h, payload] = oob::recv_frame(s, deadline);
       peer = wire::parse_control(h.type, payload.data(), payload.size());
       if (peer.type == wire::FrameType::kRefuse) {
@@ -807,6 +811,8 @@ int Engine::connect_once(const std::string& key, int timeout_ms, uint32_t offers
       }
       if (peer.type != wire::FrameType::kAccept)
         throw Error("expected an Accept frame, got type " + std::to_string(int(peer.type)));
+      if (peer.link != link->id)
+        throw Error("the Accept names link " + std::to_string(peer.link) + ", we asked for " + std::to_string(link->id));
       if (!(offers & wire::transport_bit(peer.transport)))
         throw Error(std::string("peer chose transport ") + wire::transport_name(peer.transport) + ", we offered " +
                     offers_string(offers));
@@ -857,6 +863,7 @@ int Engine::connect_once(const std::string& key, int timeout_ms, uint32_t offers
         a.instance = instance_;
         a.name = name_;
         a.direction = dir;
+        a.link = link->id;
         oob::send_all(d, wire::encode_control(a), deadline);
         link->tcp->attach(dir == 1, std::move(d));
       }
@@ -873,19 +880,23 @@ int Engine::connect_once(const std::string& key, int timeout_ms, uint32_t offers
   return ok();
 }
 
+// The peer attaches only after our READY, and we publish the link before we send that: a data
+// connection that matches no published link belongs to one already replaced or closed (a client
+// that disconnected and reconnected before we served this connection). It must never be attached to
+// the link that replaced it: that link's own connections would then be dropped as second ones.
 void Engine::serve_attach(oob::Socket s, const wire::Control& c) {
   auto key = canonical(c.name);
-  auto until = Clock::now() + milliseconds(opts_.handshake_timeout_ms);
-  while (key && Clock::now() < until && ready()) {
-    // The peer attaches right after its READY: our link may be a moment from being published.
-    if (auto link = find_link(*key); link && link->peer_instance == c.instance) {
-      if (!link->tcp) break;
-      link->tcp->attach(c.direction == 0, std::move(s));  // its request socket is the one we serve
-      return;
-    }
-    std::this_thread::sleep_for(milliseconds(2));
+  auto link = key ? find_link(*key) : nullptr;
+  if (link && link->tcp && link->peer_instance == c.instance && link->id == c.link) {
+    link->tcp->attach(c.direction == 0, std::move(s));  // its request socket is the one we serve
+    return;
   }
-  log::warn("engine " + name_ + ": a tcp data connection for \"" + c.name + "\" matches no link; dropped");
+  log::info("engine " + name_ + ": a tcp data connection (direction " + std::to_string(c.direction) + ") for link " +
+            std::to_string(c.link) + " of \"" + c.name + "\" matches no current link (" +
+            (link ? "that peer's link is " + std::to_string(link->id) + ", transport " +
+                        wire::transport_name(link->transport)
+                  : std::string("no link to that peer")) +
+            "): a replaced or closed link's; dropped");
 }
 
 // On its own thread, so that nothing a linked peer does to the progress thread (a frame sent
@@ -1059,6 +1070,7 @@ void Engine::serve_incoming(oob::Socket s) {
   try {
     auto link = std::make_shared<Link>();
     link->key = *key;
+    link->id = c.link;
     link->transport = chosen;
     if (chosen == wire::Transport::kRdma) {
       link->ep = make_endpoint();
@@ -1067,6 +1079,7 @@ void Engine::serve_incoming(oob::Socket s) {
     make_path(*link, c);
     wire::Control a = hello_frame(wire::FrameType::kAccept, link->ep, offers_);
     a.transport = chosen;
+    a.link = link->id;
     oob::send_all(s, wire::encode_control(a), deadline);
     auto [h, payload] = oob::recv_frame(s, deadline);
     if (h.type == wire::FrameType::kRefuse) {  // the client's probe of us failed: it retries without shm

@@ -94,6 +94,7 @@ std::vector<wire::Control> controls() {
   c.pid = 4242;
   c.probe_addr = 0x7ffd0000;
   c.probe_value = 99;
+  c.link = 0xfeedface12345678ull;
   c.hello = hello(1);
   c.extents = {{0x1000, 4096, 0, 17}};
   c.regions = hello(2).regions;
@@ -111,7 +112,7 @@ std::vector<wire::Control> controls() {
   c = {}; c.type = wire::FrameType::kAbort; c.seq = 3; c.text = "timeout"; v.push_back(c);
   c = {}; c.type = wire::FrameType::kAbortAck; c.seq = 3; v.push_back(c);
   c = {}; c.type = wire::FrameType::kBye; c.text = "bye"; v.push_back(c);
-  c = {}; c.type = wire::FrameType::kAttach; c.instance = 5; c.name = "[::1]:5"; c.direction = 1; v.push_back(c);
+  c = {}; c.type = wire::FrameType::kAttach; c.instance = 5; c.name = "[::1]:5"; c.direction = 1; c.link = 0x5eed; v.push_back(c);
   c = {}; c.type = wire::FrameType::kFlag; c.status = 7; v.push_back(c);
   c = {}; c.type = wire::FrameType::kAuthHello; c.scheme = 1; c.nonce.fill(0x11); v.push_back(c);
   c = {}; c.type = wire::FrameType::kAuthChallenge; c.nonce.fill(0x22); v.push_back(c);

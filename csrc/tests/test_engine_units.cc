@@ -75,7 +75,7 @@ std::vector<wire::Control> samples() {
   wire::Control c;
   c.type = wire::FrameType::kConnect; c.transport = wire::Transport::kRdma; c.name = "10.0.0.1:26000";
   c.instance = 0x0123456789abcdefull; c.version = 7; c.offers = 0xe; c.boot_id = "d47c590a-d893";
-  c.pid = 4242; c.probe_addr = 0x7fff0000; c.probe_value = 99; c.extents = {{0x1000, 4096, 8192, 17}};
+  c.pid = 4242; c.probe_addr = 0x7fff0000; c.probe_value = 99; c.link = 0xfeedface12345678ull; c.extents = {{0x1000, 4096, 8192, 17}};
   c.regions = hello_with(2).regions; c.hello = hello_with(3); v.push_back(c);
   c = {}; c.type = wire::FrameType::kAccept; c.transport = wire::Transport::kNone; c.name = "[::1]:5"; v.push_back(c);
   c = {}; c.type = wire::FrameType::kRefuse; c.status = 103903; c.text = "already connected"; v.push_back(c);
@@ -83,7 +83,7 @@ std::vector<wire::Control> samples() {
   c = {}; c.type = wire::FrameType::kNotifyAck; c.seq = 9; c.status = 203900; v.push_back(c);
   c = {}; c.type = wire::FrameType::kRegions; c.seq = 0; c.version = 42; c.regions = hello_with(4).regions;
   c.extents = {{0x2000, 4096, 0, 5}, {0x9000, 100, 4096, 6}}; v.push_back(c);
-  c = {}; c.type = wire::FrameType::kAttach; c.instance = 5; c.name = "1.2.3.4:5"; c.direction = 1; v.push_back(c);
+  c = {}; c.type = wire::FrameType::kAttach; c.instance = 5; c.name = "1.2.3.4:5"; c.direction = 1; c.link = 0x5eed; v.push_back(c);
   c = {}; c.type = wire::FrameType::kFlag; c.status = 0xdeadbeef; v.push_back(c);
   c = {}; c.type = wire::FrameType::kRegionsReq; c.seq = 3; v.push_back(c);
   c = {}; c.type = wire::FrameType::kAbort; c.seq = 4; c.text = "timeout"; v.push_back(c);
@@ -119,6 +119,7 @@ void control_frames() {
     CHECK_EQ(d.probe_addr, c.probe_addr);
     CHECK_EQ(d.probe_value, c.probe_value);
     CHECK_EQ(d.direction, c.direction);
+    CHECK_EQ(d.link, c.link);
     CHECK_EQ(d.scheme, c.scheme);
     CHECK(d.nonce == c.nonce && d.proof == c.proof);
     // Every truncation of the payload is refused with an error, never a crash or a short read.
@@ -161,7 +162,7 @@ void control_frames() {
     att.type = wire::FrameType::kAttach;
     att.name = "1.2.3.4:5";
     auto a = wire::encode_control(att);
-    a[a.size() - 4] = 2;
+    a[a.size() - 12] = 2;  // the direction: u32 before the trailing u64 link
     CHECK_THROWS_WITH(wire::parse_control_frame(a.data(), a.size()), "attach direction 2");
     wire::Control h;
     h.type = wire::FrameType::kHello;

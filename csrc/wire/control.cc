@@ -92,6 +92,7 @@ std::vector<uint8_t> encode_control(const Control& c) {
       w.bytes(hello.data(), hello.size());
       put_extents(w, c.extents);
       detail::write_regions(w, c.regions);
+      w.u64(c.link);
       break;
     }
     case FrameType::kRefuse: w.u32(c.status); put_str(w, c.text); break;
@@ -107,7 +108,7 @@ std::vector<uint8_t> encode_control(const Control& c) {
     case FrameType::kAbortAck: w.u64(c.seq); break;
     case FrameType::kAbort: w.u64(c.seq); put_str(w, c.text); break;
     case FrameType::kBye: put_str(w, c.text); break;
-    case FrameType::kAttach: w.u64(c.instance); put_str(w, c.name); w.u32(c.direction); break;
+    case FrameType::kAttach: w.u64(c.instance); put_str(w, c.name); w.u32(c.direction); w.u64(c.link); break;
     case FrameType::kFlag: w.u32(c.status); break;
     case FrameType::kAuthHello: w.u32(c.scheme); w.bytes(c.nonce.data(), c.nonce.size()); break;
     case FrameType::kAuthChallenge: w.bytes(c.nonce.data(), c.nonce.size()); break;
@@ -145,6 +146,7 @@ Control parse_control(FrameType type, const uint8_t* payload, size_t len) {
       }
       c.extents = get_extents(r);
       c.regions = detail::read_regions(r, "connect regions");
+      c.link = r.u64("link");
       break;
     }
     case FrameType::kRefuse: c.status = r.u32("status"); c.text = get_str(r, kMaxText, "reason"); break;
@@ -169,6 +171,7 @@ Control parse_control(FrameType type, const uint8_t* payload, size_t len) {
       c.name = get_str(r, kMaxName, "name");
       c.direction = r.u32("direction");
       if (c.direction > 1) throw Error("wire: control: attach direction " + std::to_string(c.direction));
+      c.link = r.u64("link");
       break;
     case FrameType::kFlag: c.status = r.u32("flag"); break;
     case FrameType::kAuthHello:

@@ -5,10 +5,11 @@
 // Every frame = wire header (wire.h) + one payload below (little endian; str = u32 len + bytes):
 //   Connect    u32 transport, u32 offers, u64 instance, u64 version, str name, str boot_id, u32 pid,
 //              u64 probe_addr, u64 probe_value, u32 hello_len, hello payload (wire.h; 0 = none), extents,
-//              regions (the sender's registered regions, whatever the transport)
+//              regions (the sender's registered regions, whatever the transport), u64 link
 //              (transport: what the sender wants / the server chose; offers: bit 1<<t for each it can use;
 //              version: the sender's region registry version; probe: a cookie the peer may read with
-//              process_vm_readv to prove same-host access)
+//              process_vm_readv to prove same-host access; link: the initiator's random id for this
+//              link, echoed in the Accept)
 //   Accept     same as Connect (the server's side; transport = the one chosen)
 //   Refuse     u32 status (hixl status code), str reason
 //   Notify     u64 seq, str name, str message
@@ -18,7 +19,8 @@
 //   RegionsReq u64 seq
 //   Abort      u64 seq, str reason      AbortAck  u64 seq
 //   Bye        str reason
-//   Attach     u64 instance, str name, u32 direction (TCP transport: a data connection of that link)
+//   Attach     u64 instance, str name, u32 direction, u64 link (TCP transport: a data connection of the
+//              link with that id; one of a link already replaced is dropped, never attached to its successor)
 //   Flag       u32 value (a completion flag, sent after the bytes of the transfer it completes landed:
 //              the shm/tcp counterpart of RDMA WRITE_WITH_IMM's immediate)
 //   AuthHello      u32 scheme (1 = HMAC-SHA-256 challenge/response), u8[32] client nonce
@@ -65,6 +67,7 @@ struct Control {
   uint32_t direction = 0;               // Attach
   std::vector<Extent> extents;          // Connect, Accept, Regions
   uint64_t instance = 0;                // Connect/Accept/Attach: random per engine object
+  uint64_t link = 0;                    // Connect/Accept/Attach: random per link (the initiator's choice)
   uint64_t version = 0;                 // Connect/Accept/Regions: region registry version (newer wins)
   std::string name;                     // Connect/Accept: engine name; Notify: notify name
   std::string text;                     // Notify: message; Refuse/Abort/Bye: reason
