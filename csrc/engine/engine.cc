@@ -638,6 +638,7 @@ bool Engine::add_link(const std::shared_ptr<Link>& link, oob::Socket s, const wi
       *superseded = it->second;  // the caller retires it (outside mu_)
     }
     links_[link->key] = link;
+    if (!link->initiator) incoming_.erase(link->key);  // serve_incoming()'s claim ends with the publication
     auto a = async_.find(link->key);
     if (a != async_.end() && a->second == ConnState::kConnectFailed) async_.erase(a);
   }
@@ -1066,6 +1067,7 @@ void Engine::serve_incoming(oob::Socket s) {
       return refuse(kAlreadyConnected, name_ + " is connecting to " + *key + " itself");
     incoming_.insert(*key);
   }
+  bool claimed = true;  // incoming_ holds *key for us; add_link() gives it back once the link is published
   std::shared_ptr<Link> old;
   try {
     auto link = std::make_shared<Link>();
@@ -1090,12 +1092,19 @@ void Engine::serve_incoming(oob::Socket s) {
     } else {
     // Published, then confirmed with a READY of ours, so that the client's connect() returns only
     // once both ends hold the link. send_mu keeps any other frame for this link behind it.
+    // Everything this handshake has to do is done before that READY: add_link() ends our claim on
+    // the peer's name, and the link it replaced is retired here, so that a client that disconnects
+    // and connects again the moment its connect() returned is neither refused ("a handshake is in
+    // progress") nor raced by the old link's teardown.
     std::unique_lock<std::mutex> first(link->send_mu);
     if (!add_link(link, std::move(s), c, &old)) {
       first.unlock();
       link->path->close();
       log::info("engine " + name_ + ": dropping the link from " + *key + " (finalizing)");
     } else {
+      claimed = false;
+      if (old) remove_link(old, "superseded by a new connection from the same peer");
+      old.reset();
       oob::send_all(link->ctrl, wire::encode_ready(), deadline);
     }
     }
@@ -1103,8 +1112,10 @@ void Engine::serve_incoming(oob::Socket s) {
     log::warn("engine " + name_ + ": handshake with " + *key + " failed: " + e.what());
   }
   if (old) remove_link(old, "superseded by a new connection from the same peer");
-  std::lock_guard<std::mutex> g(mu_);
-  incoming_.erase(*key);
+  if (claimed) {
+    std::lock_guard<std::mutex> g(mu_);
+    incoming_.erase(*key);
+  }
 }
 
 int Engine::disconnect(const std::string& remote, int timeout_ms) {
