@@ -639,6 +639,7 @@ bool Engine::add_link(const std::shared_ptr<Link>& link, oob::Socket s, const wi
     }
     links_[link->key] = link;
     if (!link->initiator) incoming_.erase(link->key);  // serve_incoming()'s claim ends with the publication
+    closed_.erase(link->key);
     auto a = async_.find(link->key);
     if (a != async_.end() && a->second == ConnState::kConnectFailed) async_.erase(a);
   }
@@ -661,11 +662,21 @@ bool Engine::add_link(const std::shared_ptr<Link>& link, oob::Socket s, const wi
   return true;
 }
 
-void Engine::remove_link(const std::shared_ptr<Link>& link, const std::string& why) {
+void Engine::remove_link(const std::shared_ptr<Link>& link, const std::string& why, bool by_disconnect) {
   {
     std::lock_guard<std::mutex> g(mu_);
     auto it = links_.find(link->key);
-    if (it != links_.end() && it->second == link) links_.erase(it);
+    if (it != links_.end() && it->second == link) {
+      links_.erase(it);
+      if (!by_disconnect) {
+        if (closed_.size() >= kMaxClosedRecords && !closed_.count(link->key)) closed_.erase(closed_.begin());
+        closed_[link->key] = {link->id, why};
+      }
+    }
+    if (by_disconnect) {  // also when the peer's goodbye got here first: this link is disconnected now
+      auto c = closed_.find(link->key);
+      if (c != closed_.end() && c->second.first == link->id) closed_.erase(c);
+    }
   }
   {
     std::lock_guard<std::mutex> g(link->mu);
@@ -1129,8 +1140,22 @@ int Engine::disconnect(const std::string& remote, int timeout_ms) {
   }
 }
 
+bool Engine::take_closed(const std::string& key) {
+  std::string why;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    auto c = closed_.find(key);
+    if (c == closed_.end()) return false;
+    why = std::move(c->second.second);
+    closed_.erase(c);
+  }
+  log::info("engine " + name_ + ": disconnect " + key + ": the link was already closed (" + why + ")");
+  return true;
+}
+
 int Engine::disconnect_impl(const std::string& key, int timeout_ms, const std::string& why) {
   auto link = find_link(key);
+  if (!link && take_closed(key)) return ok();
   if (!link) return fail(kNotConnected, "disconnect: not connected to " + key);
   try {
     wire::Control bye;
@@ -1140,7 +1165,7 @@ int Engine::disconnect_impl(const std::string& key, int timeout_ms, const std::s
   } catch (const std::exception& e) {
     log::info("disconnect " + key + ": goodbye not delivered: " + e.what());
   }
-  remove_link(link, why);
+  remove_link(link, why, true);
   return ok();
 }
 
@@ -1191,6 +1216,7 @@ int Engine::disconnect_async(const std::string& remote, int timeout_ms) {
     if (!ready()) return fail(kFailed, "disconnect_async: engine is not initialized");
     auto key = canonical(remote);
     if (!key) return fail(kParamInvalid, "disconnect_async: \"" + remote + "\" is not an engine address");
+    if (!find_link(*key) && take_closed(*key)) return ok();  // nothing left to do: stays NOT_CONNECT
     {
       std::lock_guard<std::mutex> g(mu_);
       if (!links_.count(*key)) return fail(kNotConnected, "disconnect_async: not connected to " + *key);

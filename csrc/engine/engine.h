@@ -203,7 +203,11 @@ class Engine {
   // Publishes a link whose path is built; false when finalizing or (without superseded) one exists.
   bool add_link(const std::shared_ptr<Link>& link, oob::Socket s, const wire::Control& peer,
                 std::shared_ptr<Link>* superseded);
-  void remove_link(const std::shared_ptr<Link>& link, const std::string& why);
+  // by_disconnect: our own disconnect(); any other end of the current link (the peer's goodbye, a
+  // failure, an abort) is remembered in closed_, so that the user's disconnect() still succeeds.
+  void remove_link(const std::shared_ptr<Link>& link, const std::string& why, bool by_disconnect = false);
+  // Consumes closed_'s record for key: true when the link to it ended without our disconnect().
+  bool take_closed(const std::string& key);
   void push_regions();
 
   void progress_loop();
@@ -260,6 +264,11 @@ class Engine {
   std::chrono::steady_clock::time_point last_limit_log_{};               // refusals over the limits: one warning a second
   size_t limit_refusals_ = 0;
   std::map<std::string, ConnState> async_;              // pending/finished async (dis)connects
+  // Links that ended without our disconnect() (peer's goodbye or finalize, failure, abort): peer ->
+  // (link id, why). The next disconnect() of that peer returns SUCCESS and consumes the record, so a
+  // disconnect racing the peer's own goodbye does not fail; connect() clears it. Bounded.
+  std::map<std::string, std::pair<uint64_t, std::string>> closed_;
+  static constexpr size_t kMaxClosedRecords = 4096;
   std::map<uint64_t, Request> reqs_;
   uint64_t next_req_ = 1;
 

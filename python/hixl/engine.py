@@ -278,7 +278,9 @@ class Hixl:
         return self._link_call("connect", remote_engine, timeout_in_millis, self._engine.connect)
 
     def disconnect(self, remote_engine: str, timeout_in_millis: int = _DEFAULT_TIMEOUT_MS) -> int:
-        """SUCCESS, or NOT_CONNECTED when there is no link (from either side) to that engine."""
+        """SUCCESS, also when the peer closed the link first (its disconnect or finalize, a failure) and
+        this is the first disconnect since; NOT_CONNECTED when there never was a link (from either side)
+        to that engine, or it was already disconnected here."""
         return self._link_call("disconnect", remote_engine, timeout_in_millis, self._engine.disconnect)
 
     def connect_async(self, remote_engine: str, timeout_in_millis: int = _DEFAULT_TIMEOUT_MS) -> int:
