@@ -374,6 +374,61 @@ def test_disconnect_and_reconnect_and_peer_finalize(pair):
     assert p.b.connect(name, 1000) in (FAILED, TIMEOUT)  # nobody listens there any more
 
 
+def test_reconnect_in_a_tight_loop_each_link_works_at_once(pair):
+    """200 rounds of disconnect, connect at once, transfer at once (from both ends): a connect right after
+    a disconnect is never refused ("a handshake ... is in progress"), and the new link is never hit by
+    the old one's teardown (tcp: a data connection of the old link attached to the new one)."""
+    p = pair
+    a_name, b_name = p.a.local_engine, p.b.local_engine
+    page = 4096
+    slots = p.abuf.size // page // 2
+    for i in range(200):
+        for _ in range(2):  # back to back, then once more with transfers on the link right away
+            assert p.b.disconnect(a_name, 1000) == SUCCESS, (i, p.b.last_error())
+            assert p.b.connect(a_name, 10000) == SUCCESS, (i, p.b.last_error())
+        w = (2 * i % slots) * page  # b WRITEs bbuf[w:w+page] into abuf ...
+        p.bbuf[w:w + 8] = np.frombuffer(np.uint64(i * 2 + 1).tobytes(), np.uint8)
+        d = [TransferOpDesc(_addr(p.bbuf) + w, _addr(p.abuf) + w, page)]
+        assert p.b.transfer_sync(a_name, WRITE, d, 10000) == SUCCESS, (i, p.b.last_error())
+        np.testing.assert_array_equal(p.abuf[w:w + page], p.bbuf[w:w + page], err_msg="round %d: b's write" % i)
+        r = w + page  # ... and a READs bbuf[r:r+page] over the same link, from its own end
+        p.bbuf[r:r + 8] = np.frombuffer(np.uint64(i * 2 + 2).tobytes(), np.uint8)
+        d = [TransferOpDesc(_addr(p.abuf) + r, _addr(p.bbuf) + r, page)]
+        assert p.a.transfer_sync(b_name, READ, d, 10000) == SUCCESS, (i, p.a.last_error())
+        np.testing.assert_array_equal(p.abuf[r:r + page], p.bbuf[r:r + page], err_msg="round %d: a's read" % i)
+    assert p.b.disconnect(a_name, 1000) == SUCCESS, p.b.last_error()
+    _until(lambda: p.a._engine.peers() == [], what="a sees the last goodbye")
+
+
+def test_disconnect_succeeds_when_the_peer_closed_the_link_first(pair):
+    """The peer's goodbye (disconnect or finalize) may arrive before our own disconnect(): that still
+    returns SUCCESS, once; NOT_CONNECTED only when we never connected or already disconnected."""
+    p = pair
+    a_name, b_name = p.a.local_engine, p.b.local_engine
+    assert p.a.disconnect(b_name) == SUCCESS
+    _until(lambda: p.b._engine.peers() == [], what="b sees a's goodbye")
+    assert p.b.disconnect(a_name) == SUCCESS, p.b.last_error()
+    assert p.b.disconnect(a_name) == NOT_CONNECTED
+    assert p.a.disconnect(b_name) == NOT_CONNECTED
+    # The same through disconnect_async.
+    assert p.b.connect(a_name, 10000) == SUCCESS, p.b.last_error()
+    assert p.a.disconnect(b_name) == SUCCESS
+    _until(lambda: p.b._engine.peers() == [], what="b sees a's goodbye")
+    assert p.b.disconnect_async(a_name, 1000) == SUCCESS, p.b.last_error()
+    assert p.b.get_async_connect_status(a_name) == (SUCCESS, AsyncConnectStatus.NOT_CONNECT)
+    assert p.b.disconnect(a_name) == NOT_CONNECTED
+    # A reconnect clears the record: the new link is disconnected normally.
+    assert p.b.connect(a_name, 10000) == SUCCESS, p.b.last_error()
+    assert p.b.disconnect(a_name) == SUCCESS
+    assert p.b.disconnect(a_name) == NOT_CONNECTED
+    # The peer finalized (examples/cann_style.py: decode may finalize before prefill's disconnect).
+    assert p.b.connect(a_name, 10000) == SUCCESS, p.b.last_error()
+    p.a.finalize()
+    _until(lambda: p.b._engine.peers() == [], what="b notices a finalized")
+    assert p.b.disconnect(a_name) == SUCCESS, p.b.last_error()
+    assert p.b.disconnect(a_name) == NOT_CONNECTED
+
+
 def test_sync_timeout_lets_no_write_land_afterwards():
     size = 64 * MiB
     p = Pair(size=size)
