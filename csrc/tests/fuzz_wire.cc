@@ -117,6 +117,8 @@ std::vector<wire::Control> controls() {
   c = {}; c.type = wire::FrameType::kAuthHello; c.scheme = 1; c.nonce.fill(0x11); v.push_back(c);
   c = {}; c.type = wire::FrameType::kAuthChallenge; c.nonce.fill(0x22); v.push_back(c);
   c = {}; c.type = wire::FrameType::kAuthProof; c.proof.fill(0x33); v.push_back(c);
+  c = {}; c.type = wire::FrameType::kPing; v.push_back(c);
+  c = {}; c.type = wire::FrameType::kPong; v.push_back(c);
   return v;
 }
 

@@ -94,6 +94,8 @@ std::vector<wire::Control> samples() {
   v.push_back(c);
   c = {}; c.type = wire::FrameType::kAuthChallenge; c.nonce.fill(0xa5); v.push_back(c);
   c = {}; c.type = wire::FrameType::kAuthProof; c.proof.fill(0x5a); c.proof[0] = 1; v.push_back(c);
+  c = {}; c.type = wire::FrameType::kPing; v.push_back(c);
+  c = {}; c.type = wire::FrameType::kPong; v.push_back(c);
   return v;
 }
 

@@ -113,6 +113,8 @@ std::vector<uint8_t> encode_control(const Control& c) {
     case FrameType::kAuthHello: w.u32(c.scheme); w.bytes(c.nonce.data(), c.nonce.size()); break;
     case FrameType::kAuthChallenge: w.bytes(c.nonce.data(), c.nonce.size()); break;
     case FrameType::kAuthProof: w.bytes(c.proof.data(), c.proof.size()); break;
+    case FrameType::kPing:
+    case FrameType::kPong: break;  // empty
     default: break;
   }
   return encode_frame(c.type, w.buf());

@@ -26,6 +26,7 @@
 //   AuthHello      u32 scheme (1 = HMAC-SHA-256 challenge/response), u8[32] client nonce
 //   AuthChallenge  u8[32] server nonce
 //   AuthProof      u8[32] HMAC (client's, then server's; auth/handshake.h)
+//   Ping       empty (the heartbeat: the peer answers with a Pong at once)    Pong  empty
 // A payload must be consumed exactly; strings are bounded (kMaxName / kMaxText) before copying.
 #pragma once
 
