@@ -39,6 +39,10 @@ MiB = 1 << 20
 REPO = Path(__file__).resolve().parents[1]
 
 
+def transport_name() -> str:
+    return _transport
+
+
 def _addr(a: np.ndarray) -> int:
     return a.ctypes.data
 
@@ -447,6 +451,38 @@ def test_sync_timeout_lets_no_write_land_afterwards():
         assert p.b.transfer_sync(p.a.local_engine, WRITE, descs[:1], 1000) == NOT_CONNECTED
         _until(lambda: p.a._engine.peers() == [], what="a drops the aborted link")
         assert p.b.connect(p.a.local_engine, 10000) == SUCCESS
+        assert p.b.transfer_sync(p.a.local_engine, WRITE, descs, 120000) == SUCCESS, p.b.last_error()
+        np.testing.assert_array_equal(p.abuf, p.bbuf)
+    finally:
+        p.close()
+
+
+def test_async_deadline_aborts_the_link_and_no_write_lands_afterwards():
+    """transfer_async(..., timeout_in_millis=1) with 1 GiB queued: the requests not done by the deadline
+    end TIMEOUT (the live peer confirmed its end stopped), never WAITING; the link is aborted on both
+    sides, and no byte lands after the last status was reported."""
+    size = 64 * MiB
+    p = Pair(size=size)
+    try:
+        descs = [TransferOpDesc(_addr(p.bbuf) + i * 4 * MiB, _addr(p.abuf) + i * 4 * MiB, 4 * MiB) for i in range(16)]
+        reqs = []
+        for _ in range(16):
+            rc, req = p.b.transfer_async(p.a.local_engine, WRITE, descs, timeout_in_millis=1)
+            assert rc == SUCCESS, p.b.last_error()
+            reqs.append(req)
+        ended = [p.b.transfer_wait(req, 30000) for req in reqs]
+        assert all(rc == SUCCESS for rc, _ in ended), (ended, p.b.last_error())
+        sts = [st for _, st in ended]
+        assert TransferStatus.WAITING not in sts and TransferStatus.FAILED not in sts, sts
+        if transport_name() == "tcp":  # 1 GiB through loopback TCP takes longer than one watchdog tick
+            assert TransferStatus.TIMEOUT in sts, sts
+        if TransferStatus.TIMEOUT in sts:
+            snap = p.abuf.copy()
+            time.sleep(1.0)
+            np.testing.assert_array_equal(p.abuf, snap, err_msg="bytes landed after the requests ended TIMEOUT")
+            assert p.b.transfer_sync(p.a.local_engine, WRITE, descs[:1], 1000) == NOT_CONNECTED
+            _until(lambda: p.a._engine.peers() == [], what="a drops the aborted link")
+            assert p.b.connect(p.a.local_engine, 10000) == SUCCESS, p.b.last_error()
         assert p.b.transfer_sync(p.a.local_engine, WRITE, descs, 120000) == SUCCESS, p.b.last_error()
         np.testing.assert_array_equal(p.abuf, p.bbuf)
     finally:

@@ -33,8 +33,12 @@ void hixl_bind_engine(py::module_& m) {
       .def(
           "initialize",
           [](Engine& e, const std::string& local, const std::string& transport, const std::string& device,
-             int gid_index, int traffic_class, int service_level, bool auto_connect, const std::string& auth_token) {
+             int gid_index, int traffic_class, int service_level, bool auto_connect, const std::string& auth_token,
+             int async_timeout_ms, int heartbeat_ms, int heartbeat_misses) {
             Options o;
+            if (async_timeout_ms >= 0) o.async_timeout_ms = async_timeout_ms;  // < 0: the defaults (engine.h)
+            if (heartbeat_ms >= 0) o.heartbeat_ms = heartbeat_ms;
+            if (heartbeat_misses >= 0) o.heartbeat_misses = heartbeat_misses;
             o.transport = transport;
             o.device = device;
             o.gid_index = gid_index;
@@ -46,7 +50,8 @@ void hixl_bind_engine(py::module_& m) {
           },
           py::arg("local_engine"), py::arg("transport") = "auto", py::arg("device") = "", py::arg("gid_index") = -1,
           py::arg("traffic_class") = -1, py::arg("service_level") = -1, py::arg("auto_connect") = false,
-          py::arg("auth_token") = "", release())
+          py::arg("auth_token") = "", py::arg("async_timeout_ms") = -1, py::arg("heartbeat_ms") = -1,
+          py::arg("heartbeat_misses") = -1, release())
       .def("finalize", &Engine::finalize, release())
       .def(
           "register_mem",
@@ -69,10 +74,10 @@ void hixl_bind_engine(py::module_& m) {
           py::arg("remote"), py::arg("op"), py::arg("descs"), py::arg("timeout_ms"), py::arg("flag") = -1, release())
       .def(
           "transfer_async",
-          [](Engine& e, const std::string& remote, int op, const DescTuples& d, uint64_t user_data, int64_t flag) {
-            return e.transfer_async(remote, TransferOp(op), to_descs(d), user_data, flag);
-          },
-          py::arg("remote"), py::arg("op"), py::arg("descs"), py::arg("user_data"), py::arg("flag") = -1, release())
+          [](Engine& e, const std::string& remote, int op, const DescTuples& d, uint64_t user_data, int64_t flag,
+             int timeout_ms) { return e.transfer_async(remote, TransferOp(op), to_descs(d), user_data, flag, timeout_ms); },
+          py::arg("remote"), py::arg("op"), py::arg("descs"), py::arg("user_data"), py::arg("flag") = -1,
+          py::arg("timeout_ms") = -1, release())
       .def("transfer_status", &Engine::transfer_status, py::arg("req"), release())
       .def("transfer_wait", &Engine::transfer_wait, py::arg("req"), py::arg("timeout_ms"), release())
       .def(

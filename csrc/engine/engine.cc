@@ -144,6 +144,16 @@ struct Engine::Link {
   bool down = false;
   std::string down_reason;
 
+  // Heartbeat: when the progress thread last read a frame of the peer's (Clock ticks), and when the
+  // watchdog last sent a Ping. aborting: the watchdog started an abort for an expired request.
+  std::atomic<Clock::rep> last_rx{0};
+  Clock::time_point last_ping{};
+  std::atomic<bool> aborting{false};
+  void heard() { last_rx = Clock::now().time_since_epoch().count(); }
+  milliseconds silent_for(Clock::time_point now) const {
+    return std::chrono::duration_cast<milliseconds>(now - Clock::time_point(Clock::duration(last_rx.load())));
+  }
+
   // A frame that could not be sent whole leaves the stream unusable: shut the socket down so the
   // progress thread retires the link, and report the failure.
   void send(const wire::Control& c, Clock::time_point deadline) {
@@ -201,6 +211,11 @@ struct Engine::Request {
   std::shared_ptr<Link> link;
   uint64_t ep_req = 0;
   uint64_t user_data = 0;
+  int timeout_ms = 0;                       // 0: no deadline
+  Clock::time_point deadline = Clock::time_point::max();
+  bool expired = false;                     // past its deadline, its link being aborted
+  int final_status = -1;                    // set once that abort ended (TIMEOUT or FAILED)
+  std::string final_error;
 };
 
 struct Engine::Worker {
@@ -254,6 +269,12 @@ int Engine::initialize(const std::string& local_engine, const Options& opts) {
       return fail(kParamInvalid, "initialize: unknown transport \"" + opts.transport + "\"");
     if (opts.traffic_class > 255 || opts.service_level > 15 || opts.gid_index > 255)
       return fail(kParamInvalid, "initialize: traffic_class 0..255, service_level 0..15, gid_index 0..255");
+    if (opts.async_timeout_ms < 0 || opts.heartbeat_ms < 0 || opts.heartbeat_ms > 3600000 ||
+        opts.heartbeat_misses < 1 || opts.heartbeat_misses > 1000)
+      return fail(kParamInvalid, "initialize: async_timeout_ms=" + std::to_string(opts.async_timeout_ms) +
+                                     " heartbeat_ms=" + std::to_string(opts.heartbeat_ms) + " heartbeat_misses=" +
+                                     std::to_string(opts.heartbeat_misses) +
+                                     ": need async_timeout_ms >= 0, heartbeat_ms 0..3600000, heartbeat_misses 1..1000");
 
     std::shared_ptr<verbs::ProtectionDomain> pd;
     std::string why_none = "not asked for (HixlTransport=" + opts.transport + ")";
@@ -312,6 +333,7 @@ int Engine::initialize(const std::string& local_engine, const Options& opts) {
     accept_wake_fd_ = afd;
     stop_ = false;
     progress_ = std::thread([this] { progress_loop(); });
+    watchdog_ = std::thread([this] { watchdog_loop(); });
     if (listener_.valid()) acceptor_ = std::thread([this] { accept_loop(); });
     state_ = State::kReady;
     log::info("engine " + name_ + ": transports " + offers_string(offers_) +
@@ -340,6 +362,11 @@ void Engine::finalize() {
   { std::lock_guard<std::mutex> f(flag_mu_); }
   flag_cv_.notify_all();
   wake();
+  {
+    std::lock_guard<std::mutex> w(watchdog_mu_);
+  }
+  watchdog_cv_.notify_all();
+  if (watchdog_.joinable()) watchdog_.join();  // before the links go: it may be aborting one
   if (progress_.joinable()) progress_.join();
   if (acceptor_.joinable()) {
     uint64_t one = 1;
@@ -370,6 +397,7 @@ void Engine::finalize() {
   {
     std::lock_guard<std::mutex> g(mu_);
     reqs_.clear();
+    deadlines_.clear();
     links_.clear();
   }
   {
@@ -628,6 +656,7 @@ bool Engine::add_link(const std::shared_ptr<Link>& link, oob::Socket s, const wi
                       std::shared_ptr<Link>* superseded) {
   link->peer_instance = peer.instance;
   link->ctrl = std::move(s);
+  link->heard();  // the heartbeat counts from the publication
   link->set_regions(peer.regions, peer.version);
   {
     std::lock_guard<std::mutex> g(mu_);
@@ -1415,9 +1444,12 @@ int Engine::transfer_sync(const std::string& remote, TransferOp op, const std::v
 }
 
 std::pair<int, uint64_t> Engine::transfer_async(const std::string& remote, TransferOp op,
-                                                const std::vector<OpDesc>& descs, uint64_t user_data, int64_t flag) {
+                                                const std::vector<OpDesc>& descs, uint64_t user_data, int64_t flag,
+                                                int timeout_ms) {
   try {
+    const auto start = Clock::now();
     if (!ready()) return {fail(kFailed, "transfer_async: engine is not initialized"), 0};
+    if (timeout_ms < 0) timeout_ms = opts_.async_timeout_ms;
     if (int rc = submit_checks(op, flag, "transfer_async"); rc != kSuccess) return {rc, 0};
     auto key = canonical(remote);
     if (!key) return {fail(kParamInvalid, "transfer_async: \"" + remote + "\" is not an engine address"), 0};
@@ -1437,11 +1469,37 @@ std::pair<int, uint64_t> Engine::transfer_async(const std::string& remote, Trans
     }
     std::lock_guard<std::mutex> g(mu_);
     uint64_t id = next_req_++;
-    reqs_[id] = {link, ep_req, user_data};
+    Request& r = reqs_[id];
+    r.link = link;
+    r.ep_req = ep_req;
+    r.user_data = user_data;
+    r.timeout_ms = timeout_ms;
+    if (timeout_ms > 0) {
+      r.deadline = start + milliseconds(timeout_ms);
+      deadlines_.insert({r.deadline, id});
+    }
     return {ok(), id};
   } catch (const std::exception& e) {
     return {fail(kFailed, "transfer_async(" + remote + "): " + e.what()), 0};
   }
+}
+
+rdma::RequestResult Engine::poll_locked(Request& r) {
+  if (r.final_status >= 0) return {TransferStatus(r.final_status), r.final_error};
+  // Past its deadline: its link is being aborted (the path may already say FAILED because of that
+  // abort). finish_expired() decides between TIMEOUT and FAILED within seconds.
+  if (r.expired) return {TransferStatus::kWaiting, ""};
+  rdma::RequestResult res = r.link->path->status(r.ep_req);
+  if (res.status == TransferStatus::kFailed) {  // say why, when it is the link that went (heartbeat, peer, abort)
+    std::lock_guard<std::mutex> g(r.link->mu);
+    if (r.link->down) res.error += " (the link to " + r.link->key + " was closed: " + r.link->down_reason + ")";
+  }
+  return res;
+}
+
+void Engine::erase_request_locked(std::map<uint64_t, Request>::iterator it) {
+  if (it->second.deadline != Clock::time_point::max()) deadlines_.erase({it->second.deadline, it->first});
+  reqs_.erase(it);
 }
 
 // Both status calls hold mu_ across the endpoint query: a terminal status is consumed exactly once,
@@ -1455,10 +1513,11 @@ std::pair<int, int> Engine::transfer_status(uint64_t req) {
       return {fail(kParamInvalid, "get_transfer_status(req=" + std::to_string(req) +
                                       "): unknown request (never issued, or already reported complete/failed)"),
               int(TransferStatus::kFailed)};
-    rdma::RequestResult res = it->second.link->path->status(it->second.ep_req);
+    rdma::RequestResult res = poll_locked(it->second);
     if (res.status != TransferStatus::kWaiting) {
-      reqs_.erase(it);
-      if (res.status == TransferStatus::kFailed) log::warn("transfer request " + std::to_string(req) + " failed: " + res.error);
+      erase_request_locked(it);
+      if (res.status == TransferStatus::kFailed || res.status == TransferStatus::kTimeout)
+        log::warn("transfer request " + std::to_string(req) + (res.status == TransferStatus::kFailed ? " failed: " : " timed out: ") + res.error);
     }
     return {ok(), int(res.status)};
   } catch (const std::exception& e) {
@@ -1481,10 +1540,18 @@ std::pair<int, int> Engine::transfer_wait(uint64_t req, int timeout_ms) {
     }
     // Wait without the engine lock and without consuming the status: transfer_status() below takes
     // it exactly once, as for any poller.
+    const auto until = timeout_ms < 0 ? Clock::time_point::max() : Clock::now() + milliseconds(timeout_ms);
     if (path) path->wait_done(path_req, milliseconds(timeout_ms));
-    auto r = transfer_status(req);
-    if (r.first != kSuccess) t_last_error = "transfer_wait: " + t_last_error;
-    return r;
+    for (;;) {
+      auto r = transfer_status(req);
+      if (r.first != kSuccess) t_last_error = "transfer_wait: " + t_last_error;
+      if (r.first != kSuccess || r.second != int(TransferStatus::kWaiting) || Clock::now() >= until) return r;
+      // The path is done or closed, but the request is past its deadline and its link's abort is
+      // still deciding between TIMEOUT and FAILED (finish_expired() notifies); or wait_done() was
+      // woken early. Either way: wait again, bounded by our own timeout.
+      std::unique_lock<std::mutex> lk(mu_);
+      req_cv_.wait_until(lk, std::min(until, Clock::now() + milliseconds(50)));
+    }
   } catch (const std::exception& e) {
     return {fail(kFailed, "transfer_wait: " + std::string(e.what())), int(TransferStatus::kFailed)};
   }
@@ -1496,11 +1563,14 @@ std::pair<int, std::vector<TransferResult>> Engine::all_transfer_status(uint64_t
     if (state_ != State::kReady) return {fail(kFailed, "get_all_transfer_status: engine is not initialized"), {}};
     std::vector<TransferResult> out;
     for (auto it = reqs_.begin(); it != reqs_.end() && out.size() < max_count;) {
-      rdma::RequestResult res = it->second.link->path->status(it->second.ep_req);
+      rdma::RequestResult res = poll_locked(it->second);
       uint64_t id = it->first, user_data = it->second.user_data;
       if (res.status != TransferStatus::kWaiting) {
-        if (res.status == TransferStatus::kFailed) log::warn("transfer request " + std::to_string(id) + " failed: " + res.error);
-        it = reqs_.erase(it);
+        if (res.status == TransferStatus::kFailed || res.status == TransferStatus::kTimeout)
+          log::warn("transfer request " + std::to_string(id) + (res.status == TransferStatus::kFailed ? " failed: " : " timed out: ") + res.error);
+        auto next = std::next(it);
+        erase_request_locked(it);
+        it = next;
       } else {
         ++it;
         if (skip_waiting) continue;
@@ -1679,6 +1749,13 @@ void Engine::handle_frame(const std::shared_ptr<Link>& link, const wire::Control
     }
     case wire::FrameType::kBye: remove_link(link, "peer disconnected: " + c.text); break;
     case wire::FrameType::kFlag: push_flag(link->key, c.status); break;
+    case wire::FrameType::kPing: {
+      wire::Control pong;
+      pong.type = wire::FrameType::kPong;
+      link->send(pong, until);
+      break;
+    }
+    case wire::FrameType::kPong: break;  // progress_loop() noted that the peer is alive
     default: throw Error("unexpected control frame type " + std::to_string(int(c.type)));
   }
 }
@@ -1714,6 +1791,7 @@ void Engine::progress_loop() {
       auto& link = polled[i];
       try {
         auto [h, payload] = oob::recv_frame(link->ctrl, Clock::now() + milliseconds(2000));
+        link->heard();
         handle_frame(link, wire::parse_control(h.type, payload.data(), payload.size()));
       } catch (const std::exception& e) {
         bool down;
@@ -1725,6 +1803,112 @@ void Engine::progress_loop() {
       }
     }
   }
+}
+
+// ------------------------------------------------------------------------------ watchdog thread
+// Its own thread: a ping to a peer that stopped reading may block for up to one interval, and an
+// abort waits seconds for the peer's confirmation (that runs on a worker), neither of which may hold
+// up the progress thread's frames or anyone's handshake.
+void Engine::watchdog_loop() {
+  const int hb = opts_.heartbeat_ms;
+  const auto tick = milliseconds(hb > 0 ? std::clamp(hb / 4, 10, 100) : 100);
+  std::unique_lock<std::mutex> lk(watchdog_mu_);
+  while (!stop_) {
+    watchdog_cv_.wait_for(lk, tick, [&] { return stop_.load(); });
+    if (stop_) break;
+    lk.unlock();
+    try {
+      heartbeat();
+      expire_requests();
+    } catch (const std::exception& e) {
+      log::warn("engine " + name_ + ": watchdog: " + e.what());
+    }
+    lk.lock();
+  }
+}
+
+void Engine::heartbeat() {
+  const int hb = opts_.heartbeat_ms;
+  if (hb <= 0) return;
+  const auto limit = milliseconds(int64_t(hb) * opts_.heartbeat_misses);
+  std::vector<std::shared_ptr<Link>> links;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    for (auto& [k, l] : links_) links.push_back(l);
+  }
+  for (auto& link : links) {
+    if (stop_) return;
+    auto now = Clock::now();
+    const auto silent = link->silent_for(now);
+    if (silent > limit) {
+      const std::string why = "no frame from the peer for " + std::to_string(silent.count()) + " ms (a ping every " +
+                              std::to_string(hb) + " ms, " + std::to_string(opts_.heartbeat_misses) +
+                              " intervals without an answer): the peer is hung, stopped or unreachable";
+      log::warn("engine " + name_ + ": link to " + link->key + ": " + why + "; closing it");
+      remove_link(link, why);
+      continue;
+    }
+    if (now - link->last_ping < milliseconds(hb)) continue;
+    link->last_ping = now;
+    wire::Control ping;
+    ping.type = wire::FrameType::kPing;
+    try {
+      link->send(ping, now + milliseconds(hb));  // a peer that stopped reading: the send gives up, the link goes
+    } catch (const std::exception& e) {
+      log::info("engine " + name_ + ": heartbeat ping to " + link->key + ": " + e.what());
+    }
+  }
+}
+
+void Engine::expire_requests() {
+  std::vector<std::shared_ptr<Link>> to_abort;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    const auto now = Clock::now();
+    while (!deadlines_.empty() && deadlines_.begin()->first <= now) {
+      const uint64_t id = deadlines_.begin()->second;
+      deadlines_.erase(deadlines_.begin());
+      auto it = reqs_.find(id);
+      if (it == reqs_.end()) continue;
+      Request& r = it->second;
+      if (r.expired || r.final_status >= 0) continue;
+      r.deadline = Clock::time_point::max();  // out of deadlines_ now
+      if (r.link->path->wait_done(r.ep_req, milliseconds(0))) continue;  // ended in time; its status waits for the user
+      r.expired = true;
+      r.final_error = "transfer_async(req=" + std::to_string(id) + ") to " + r.link->key + ": not complete within " +
+                      std::to_string(r.timeout_ms) + " ms";
+      if (!r.link->aborting.exchange(true)) to_abort.push_back(r.link);
+    }
+  }
+  for (auto& link : to_abort) {
+    log::warn("engine " + name_ + ": an async request to " + link->key + " passed its deadline; aborting the link");
+    try {
+      spawn([this, link] { finish_expired(link, abort_link(link, "an async request passed its deadline")); });
+    } catch (const std::exception& e) {  // finalizing: no abort, the link goes with the engine
+      finish_expired(link, false);
+    }
+  }
+}
+
+void Engine::finish_expired(const std::shared_ptr<Link>& link, bool confirmed) {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    for (auto& [id, r] : reqs_) {
+      (void)id;
+      if (r.link != link || !r.expired || r.final_status >= 0) continue;
+      (void)r.link->path->status(r.ep_req);  // the path's record of it (FAILED: closed) is not needed
+      if (confirmed) {
+        r.final_status = int(TransferStatus::kTimeout);
+        r.final_error += "; the link was aborted and the peer confirmed it stopped too: none of its writes can land "
+                         "later";
+      } else {
+        r.final_status = int(TransferStatus::kFailed);
+        r.final_error += "; the link was aborted, but the peer did not confirm it stopped: writes already on the "
+                         "wire may still land";
+      }
+    }
+  }
+  req_cv_.notify_all();
 }
 
 }  // namespace hixl::engine

@@ -70,6 +70,17 @@ struct Options {
   int service_level = -1;          // SL (-1 = default 0)
   bool auto_connect = false;
   int handshake_timeout_ms = 5000;  // an accepted peer must finish its handshake within this
+  // transfer_async(): a request not complete this long after it was submitted ends (0: no deadline
+  // of its own; the heartbeat still ends it when the peer hangs). Its link is aborted as for a
+  // transfer_sync() TIMEOUT, and the request reports TIMEOUT once the peer confirmed it stopped
+  // too, else FAILED (within the 5 s an abort waits for that confirmation).
+  int async_timeout_ms = 60000;
+  // Heartbeat on every control connection: a Ping every heartbeat_ms (0: none), which the peer
+  // answers at once; a link that brings no frame at all for heartbeat_ms * heartbeat_misses is
+  // declared dead and closed (its requests end FAILED), also while idle. Only our own settings
+  // decide: a peer with other settings (or none) still answers our pings.
+  int heartbeat_ms = 1000;
+  int heartbeat_misses = 10;
   // Shared secret ("" = none). With one, every connection to our listener must prove it before
   // anything of ours is sent, and we connect only to peers that prove it too (auth/handshake.h).
   // A connect() refused for it (missing or wrong token on either side, a server without one)
@@ -148,8 +159,9 @@ class Engine {
   // flag >= 0 (WRITE only, < 2^32): the peer receives it as a completion flag once the bytes landed.
   int transfer_sync(const std::string& remote, TransferOp op, const std::vector<OpDesc>& descs, int timeout_ms,
                     int64_t flag = -1);
+  // timeout_ms: the request's deadline (Options::async_timeout_ms); < 0: the engine's, 0: none.
   std::pair<int, uint64_t> transfer_async(const std::string& remote, TransferOp op, const std::vector<OpDesc>& descs,
-                                          uint64_t user_data, int64_t flag = -1);
+                                          uint64_t user_data, int64_t flag = -1, int timeout_ms = -1);
   std::pair<int, int> transfer_status(uint64_t req);
   // Blocks up to timeout_ms (< 0: no limit) for the request to end, then reports like
   // transfer_status(); WAITING (and the request kept) when the time passed first.
@@ -211,6 +223,15 @@ class Engine {
   void push_regions();
 
   void progress_loop();
+  // Every tick: the heartbeat (pings, links gone silent) and the async requests past their deadline.
+  void watchdog_loop();
+  void heartbeat();
+  void expire_requests();
+  // The abort of a link for expired requests ended: they report TIMEOUT (confirmed) or FAILED.
+  void finish_expired(const std::shared_ptr<Link>& link, bool confirmed);
+  // A request's status without consuming it from reqs_ (mu_ held); the path's is consumed.
+  rdma::RequestResult poll_locked(Request& r);
+  void erase_request_locked(std::map<uint64_t, Request>::iterator it);
   void accept_loop();
   void accept_incoming();
   void serve_incoming(oob::Socket s);
@@ -270,6 +291,8 @@ class Engine {
   std::map<std::string, std::pair<uint64_t, std::string>> closed_;
   static constexpr size_t kMaxClosedRecords = 4096;
   std::map<uint64_t, Request> reqs_;
+  std::set<std::pair<std::chrono::steady_clock::time_point, uint64_t>> deadlines_;  // async requests with one
+  std::condition_variable req_cv_;  // with mu_: expired requests got their final status
   uint64_t next_req_ = 1;
 
   std::mutex notify_mu_;
@@ -288,6 +311,9 @@ class Engine {
   std::thread acceptor_;     // accepts peers and hands each to a handshake thread; never waits on a link
   std::atomic<bool> stop_{false};
   std::thread progress_;
+  std::thread watchdog_;
+  std::mutex watchdog_mu_;
+  std::condition_variable watchdog_cv_;
   std::mutex workers_mu_;
   bool workers_closed_ = false;
   std::vector<std::shared_ptr<Worker>> workers_;

@@ -201,7 +201,10 @@ class Hixl:
                 gid_index=-1 if p.gid_index is None else p.gid_index,
                 traffic_class=-1 if p.rdma_traffic_class is None else p.rdma_traffic_class,
                 service_level=-1 if p.rdma_service_level is None else p.rdma_service_level,
-                auto_connect=p.auto_connect, auth_token=p.auth_token or ""))
+                auto_connect=p.auto_connect, auth_token=p.auth_token or "",
+                async_timeout_ms=-1 if p.async_timeout_ms is None else p.async_timeout_ms,
+                heartbeat_ms=-1 if p.heartbeat_ms is None else p.heartbeat_ms,
+                heartbeat_misses=-1 if p.heartbeat_misses is None else p.heartbeat_misses))
             if rc == SUCCESS:
                 self._pid, self._name = os.getpid(), self._engine.local_engine
             return rc
@@ -342,9 +345,16 @@ class Hixl:
             return self._failed("transfer_sync", e)
 
     def transfer_async(self, remote_engine: str, op: Any, op_descs: Sequence[Any],
-                       optional_args: Any = None, *, flag: Optional[int] = None) -> Tuple[int, int]:
+                       optional_args: Any = None, *, flag: Optional[int] = None,
+                       timeout_in_millis: Optional[int] = None) -> Tuple[int, int]:
         """``(SUCCESS, req)``; req is 0 on failure. Poll it with :meth:`get_transfer_status` or
-        block on it with :meth:`transfer_wait`. ``flag``: as for :meth:`transfer_sync`."""
+        block on it with :meth:`transfer_wait`. ``flag``: as for :meth:`transfer_sync`.
+
+        ``timeout_in_millis`` (beyond CANN; default: the ``HixlAsyncTimeoutMs`` option, 60000, where
+        0 means none): a request not complete by then ends TIMEOUT (or FAILED when the peer did
+        not confirm it stopped, e.g. a hung peer) within a few seconds, and its link is aborted as
+        for a :meth:`transfer_sync` TIMEOUT. A peer that stops answering the link's heartbeat
+        (``HixlHeartbeatMs`` x ``HixlHeartbeatMisses``) ends its requests FAILED sooner."""
         try:
             if self._finalized:
                 return FAILED, 0
@@ -364,7 +374,13 @@ class Hixl:
             f = self._flag(flag, o)
             if f is None:
                 return self._refuse("transfer_async: flag %r must be None or a u32, with op WRITE" % (flag,)), 0
-            rc, req = self._engine.transfer_async(remote_engine, o, descs, ud, f)
+            t = -1
+            if timeout_in_millis is not None:
+                t = self._timeout(timeout_in_millis)
+                if t is None:
+                    return self._refuse("transfer_async: timeout_in_millis %r must be None or in 1..2**31-1"
+                                        % (timeout_in_millis,)), 0
+            rc, req = self._engine.transfer_async(remote_engine, o, descs, ud, f, t)
             return self._done(rc), req
         except Exception as e:
             return self._failed("transfer_async", e), 0

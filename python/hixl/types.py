@@ -199,6 +199,9 @@ OPTION_HIXL_TRANSPORT = "HixlTransport"
 OPTION_HIXL_DEVICE = "HixlDevice"
 OPTION_HIXL_GID_INDEX = "HixlGidIndex"
 OPTION_HIXL_AUTH_TOKEN = "HixlAuthToken"
+OPTION_HIXL_ASYNC_TIMEOUT_MS = "HixlAsyncTimeoutMs"      # transfer_async deadline (default 60000; 0: none)
+OPTION_HIXL_HEARTBEAT_MS = "HixlHeartbeatMs"            # ping interval per link (default 1000; 0: none)
+OPTION_HIXL_HEARTBEAT_MISSES = "HixlHeartbeatMisses"    # silent intervals before a link is dead (default 10)
 
 TRANSPORTS = ("auto", "rdma", "shm", "tcp")
 ENV_TRANSPORT = "HIXL_TRANSPORT"
@@ -218,6 +221,9 @@ _INT_OPTIONS = {
     OPTION_RDMA_TRAFFIC_CLASS: ("rdma_traffic_class", 255),
     OPTION_RDMA_SERVICE_LEVEL: ("rdma_service_level", 15),
     OPTION_HIXL_GID_INDEX: ("gid_index", 255),  # ibv_global_route.sgid_index is u8
+    OPTION_HIXL_ASYNC_TIMEOUT_MS: ("async_timeout_ms", 2 ** 31 - 1),
+    OPTION_HIXL_HEARTBEAT_MS: ("heartbeat_ms", 3600000),
+    OPTION_HIXL_HEARTBEAT_MISSES: ("heartbeat_misses", 1000),  # 0 is refused by initialize()
 }
 _DECIMAL = re.compile(r"[0-9]+")
 
@@ -238,6 +244,9 @@ class ParsedOptions:
     transport: str = "auto"
     device: Optional[str] = None
     gid_index: Optional[int] = None
+    async_timeout_ms: Optional[int] = None
+    heartbeat_ms: Optional[int] = None
+    heartbeat_misses: Optional[int] = None
     enable_use_fabric_mem: Optional[str] = None
     buffer_pool: Optional[str] = None
     global_resource_config: Optional[str] = None
@@ -390,7 +399,8 @@ __all__ = [
     "OPTION_ENABLE_USE_FABRIC_MEM", "OPTION_RDMA_TRAFFIC_CLASS", "OPTION_RDMA_SERVICE_LEVEL",
     "OPTION_BUFFER_POOL", "OPTION_GLOBAL_RESOURCE_CONFIG", "OPTION_AUTO_CONNECT",
     "OPTION_LOCAL_COMM_RES", "OPTION_HIXL_TRANSPORT", "OPTION_HIXL_DEVICE",
-    "OPTION_HIXL_GID_INDEX", "OPTION_HIXL_AUTH_TOKEN", "TRANSPORTS", "ENV_TRANSPORT", "ENV_AUTH_TOKEN",
+    "OPTION_HIXL_GID_INDEX", "OPTION_HIXL_AUTH_TOKEN", "OPTION_HIXL_ASYNC_TIMEOUT_MS", "OPTION_HIXL_HEARTBEAT_MS",
+    "OPTION_HIXL_HEARTBEAT_MISSES", "TRANSPORTS", "ENV_TRANSPORT", "ENV_AUTH_TOKEN",
     "MAX_AUTH_TOKEN_BYTES", "ParsedOptions", "parse_options",
     "get_capability", "parse_engine_address",
 ]

@@ -1,0 +1,200 @@
+"""Reliability: a peer that hangs (SIGSTOP) instead of dying. One suite over rdma (VM), shm and tcp.
+
+A stopped process keeps its sockets open, so nothing ever reports an error: only the heartbeat on the
+control connection (HixlHeartbeatMs x HixlHeartbeatMisses) and the async requests' own deadline
+(HixlAsyncTimeoutMs, or transfer_async(..., timeout_in_millis=)) end things. Every bound below is
+generous (seconds); nothing asserts on speed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import hixl
+from hixl import NOT_CONNECTED, SUCCESS, WRITE, MemDesc, TransferOpDesc, TransferStatus
+
+TRANSPORTS = [pytest.param("rdma", marks=pytest.mark.rdma), "shm", "tcp"]
+REPO = Path(__file__).resolve().parents[2]
+PEER = REPO / "tests" / "engine_peer.py"
+MiB = 1 << 20
+
+
+@pytest.fixture(params=TRANSPORTS)
+def transport(request):
+    return request.param
+
+
+def _engine(transport, **opts):
+    e = hixl.Hixl()
+    o = {"HixlTransport": transport}
+    o.update({k: str(v) for k, v in opts.items()})
+    assert e.initialize("127.0.0.1:0", o) == SUCCESS, e.last_error()
+    return e
+
+
+class Peer:
+    """tests/engine_peer.py in its own process, serving SIZE bytes; stop() / cont() send SIGSTOP / SIGCONT."""
+
+    def __init__(self, transport, size):
+        self.p = subprocess.Popen([sys.executable, str(PEER), transport, str(size)],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.info = json.loads(self.p.stdout.readline())
+        self.name = self.info["name"]
+
+    def stop(self):
+        os.kill(self.p.pid, signal.SIGSTOP)
+
+    def cont(self):
+        if self.p.poll() is None:
+            os.kill(self.p.pid, signal.SIGCONT)
+
+    def close(self):
+        self.cont()
+        if self.p.poll() is None:
+            self.p.stdin.close()  # the peer finalizes and exits
+            try:
+                self.p.wait(20)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+                self.p.wait(20)
+        for f in (self.p.stdin, self.p.stdout):
+            f.close()
+
+
+def _until(pred, timeout_s, what):
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        assert time.monotonic() < deadline, "timed out (%ss) waiting for %s" % (timeout_s, what)
+        time.sleep(0.01)
+
+
+def _linked(e, name):
+    return e.get_transport(name)[0] == SUCCESS
+
+
+def test_an_idle_link_to_a_stopped_peer_is_closed_by_the_heartbeat_and_can_be_made_again(transport):
+    peer = Peer(transport, MiB)
+    b = _engine(transport, HixlHeartbeatMs=100, HixlHeartbeatMisses=5)
+    try:
+        src = np.full(MiB, 7, np.uint8)
+        assert b.register_mem(MemDesc(src.ctypes.data, MiB))[0] == SUCCESS
+        assert b.connect(peer.name, 20000) == SUCCESS, b.last_error()
+        peer.stop()
+        t0 = time.monotonic()
+        _until(lambda: not _linked(b, peer.name), 30, "the heartbeat to close the link to the stopped peer")
+        print("link closed %.2fs after SIGSTOP (heartbeat 100 ms x 5)" % (time.monotonic() - t0))
+        assert b.transfer_sync(peer.name, WRITE, [TransferOpDesc(src.ctypes.data, peer.info["addr"], 4096)],
+                               1000) == NOT_CONNECTED
+        assert b.disconnect(peer.name) == SUCCESS, b.last_error()  # the user's disconnect still succeeds, once
+        # The peer resumes: it finds its end of the link closed too, and a new link works.
+        peer.cont()
+        assert b.connect(peer.name, 20000) == SUCCESS, b.last_error()
+        assert b.transfer_sync(peer.name, WRITE, [TransferOpDesc(src.ctypes.data, peer.info["addr"], MiB)],
+                               20000) == SUCCESS, b.last_error()
+    finally:
+        peer.close()
+        b.finalize()
+
+
+def test_a_healthy_idle_link_survives_a_short_heartbeat():
+    a = _engine("tcp", HixlHeartbeatMs=50, HixlHeartbeatMisses=40)
+    b = _engine("tcp", HixlHeartbeatMs=50, HixlHeartbeatMisses=40)
+    try:
+        assert b.connect(a.local_engine, 10000) == SUCCESS, b.last_error()
+        time.sleep(3.0)  # 60 pings each way; the links must still be there
+        assert _linked(b, a.local_engine) and _linked(a, b.local_engine)
+    finally:
+        b.finalize()
+        a.finalize()
+
+
+def test_an_async_request_to_a_stopped_peer_ends_through_the_heartbeat(transport):
+    """No deadline of its own (HixlAsyncTimeoutMs=0): the heartbeat alone ends it, never WAITING."""
+    size = 64 * MiB
+    peer = Peer(transport, size)
+    b = _engine(transport, HixlHeartbeatMs=100, HixlHeartbeatMisses=5, HixlAsyncTimeoutMs=0)
+    try:
+        src = np.ones(size, np.uint8)
+        assert b.register_mem(MemDesc(src.ctypes.data, size))[0] == SUCCESS
+        assert b.connect(peer.name, 20000) == SUCCESS, b.last_error()
+        peer.stop()
+        descs = [TransferOpDesc(src.ctypes.data + i * 4 * MiB, peer.info["addr"] + i * 4 * MiB, 4 * MiB)
+                 for i in range(16)]
+        reqs = []
+        for _ in range(4):
+            rc, req = b.transfer_async(peer.name, WRITE, descs)
+            assert rc == SUCCESS, b.last_error()
+            reqs.append(req)
+        for req in reqs:  # nobody polls meanwhile: the first wait comes after the link is gone
+            rc, st = b.transfer_wait(req, 30000)
+            assert rc == SUCCESS and st != TransferStatus.WAITING, (rc, st, b.last_error())
+            # shm and rdma (rxe lives in the kernel) can finish a write into a stopped process; tcp cannot
+            if transport == "tcp":
+                assert st == TransferStatus.FAILED, st
+        _until(lambda: not _linked(b, peer.name), 30, "the heartbeat to close the link to the stopped peer")
+    finally:
+        peer.close()
+        b.finalize()
+
+
+def test_an_async_request_past_its_deadline_to_a_stopped_peer_ends_failed(transport):
+    """Heartbeat off: the request's own deadline aborts the link; the stopped peer cannot confirm its end
+    stopped, so the request ends FAILED (not TIMEOUT), within the deadline plus the abort's 5 s."""
+    size = 64 * MiB
+    peer = Peer(transport, size)
+    b = _engine(transport, HixlHeartbeatMs=0)
+    try:
+        src = np.ones(size, np.uint8)
+        assert b.register_mem(MemDesc(src.ctypes.data, size))[0] == SUCCESS
+        assert b.connect(peer.name, 20000) == SUCCESS, b.last_error()
+        peer.stop()
+        descs = [TransferOpDesc(src.ctypes.data + i * 4 * MiB, peer.info["addr"] + i * 4 * MiB, 4 * MiB)
+                 for i in range(16)]
+        reqs = []
+        for _ in range(4):
+            rc, req = b.transfer_async(peer.name, WRITE, descs, timeout_in_millis=300)
+            assert rc == SUCCESS, b.last_error()
+            reqs.append(req)
+        t0 = time.monotonic()
+        ended = []
+        for req in reqs:
+            while True:  # polled, not waited on: get_transfer_status sees the same ending
+                rc, st = b.get_transfer_status(req)
+                assert rc == SUCCESS, b.last_error()
+                if st != TransferStatus.WAITING:
+                    ended.append(st)
+                    break
+                assert time.monotonic() - t0 < 30, "request %d still WAITING 30 s after its 300 ms deadline" % req
+                time.sleep(0.01)
+        if transport == "tcp":
+            assert TransferStatus.FAILED in ended, ended
+        assert set(ended) <= {TransferStatus.COMPLETED, TransferStatus.FAILED}, ended  # never TIMEOUT: unconfirmed
+        if ended != [TransferStatus.COMPLETED] * len(ended):
+            assert not _linked(b, peer.name)
+    finally:
+        peer.close()
+        b.finalize()
+
+
+def test_async_options_are_checked():
+    e = hixl.Hixl()
+    assert e.initialize("127.0.0.1:0", {"HixlHeartbeatMisses": "0"}) != SUCCESS
+    assert "heartbeat_misses" in e.last_error()
+    e = hixl.Hixl()
+    assert e.initialize("127.0.0.1:0", {"HixlAsyncTimeoutMs": "-5"}) != SUCCESS
+    assert "HixlAsyncTimeoutMs" in e.last_error()
+    e = _engine("tcp", HixlAsyncTimeoutMs=0, HixlHeartbeatMs=0)
+    try:
+        for bad in (0, -1, 2 ** 31, "5", 1.5):
+            rc, req = e.transfer_async("127.0.0.1:1", WRITE, [TransferOpDesc(1, 2, 3)], timeout_in_millis=bad)
+            assert (rc, req) == (hixl.PARAM_INVALID, 0), (bad, rc, e.last_error())
+    finally:
+        e.finalize()
