@@ -167,6 +167,20 @@ struct Engine::Link {
       throw;
     }
   }
+  // As send(), but false at once (nothing sent) while another frame is being sent: the heartbeat
+  // never queues behind a handshake's READY or a slow region push, which count as traffic anyway.
+  bool try_send(const wire::Control& c, Clock::time_point deadline) {
+    std::unique_lock<std::mutex> g(send_mu, std::try_to_lock);
+    if (!g.owns_lock()) return false;
+    auto bytes = wire::encode_control(c);
+    try {
+      oob::send_all(ctrl, bytes, std::min(deadline, Clock::now() + milliseconds(5000)));
+    } catch (...) {
+      ctrl.shutdown();
+      throw;
+    }
+    return true;
+  }
   // A new sequence number whose reply wait_reply() will collect.
   uint64_t expect() {
     std::lock_guard<std::mutex> g(mu);
@@ -1849,11 +1863,11 @@ void Engine::heartbeat() {
       continue;
     }
     if (now - link->last_ping < milliseconds(hb)) continue;
-    link->last_ping = now;
     wire::Control ping;
     ping.type = wire::FrameType::kPing;
     try {
-      link->send(ping, now + milliseconds(hb));  // a peer that stopped reading: the send gives up, the link goes
+      // A peer that stopped reading: the send gives up after one interval and the link goes.
+      if (link->try_send(ping, now + milliseconds(hb))) link->last_ping = now;
     } catch (const std::exception& e) {
       log::info("engine " + name_ + ": heartbeat ping to " + link->key + ": " + e.what());
     }
