@@ -518,11 +518,16 @@ class Cluster:
             how = f"exited with code {code}" if code is not None else "closed its output but is still running"
         return DemoError(f"worker {w.name} (pid {w.proc.pid}) {how}")
 
-    def _others_dead(self, name: str) -> str:
-        """Other workers that already exited (often the cause of a peer's failure)."""
-        dead = [f"{o.name} (pid {o.proc.pid}) exited with code {o.proc.poll()}" for o in self.workers.values()
-                if o.name != name and not o.exiting and o.proc.poll() is not None]
-        return ("; before that, " + ", ".join(dead)) if dead else ""
+    def _first_dead(self, name: str, grace_s: float = 1.0) -> Optional["Worker"]:
+        """Another worker that died unasked, waiting up to grace_s for one: when a peer's death made
+        ``name`` fail, the peer's sockets close while it exits, so ``name`` may report first."""
+        others = [o for o in self.workers.values() if o.name != name and not o.exiting]
+        end = time.monotonic() + grace_s
+        while True:
+            dead = [o for o in others if o.proc.poll() not in (None, 0)]
+            if dead or time.monotonic() >= end:
+                return dead[0] if dead else None
+            time.sleep(0.02)
 
     def _pump(self, deadline: float, what: str) -> None:
         left = deadline - time.monotonic()
@@ -542,8 +547,12 @@ class Cluster:
                 code = w.proc.wait(10)
             except subprocess.TimeoutExpired:
                 code = None
-            raise DemoError(f"worker {name} (pid {w.proc.pid}) failed during '{msg.get('cmd', '?')}': "
-                            f"{msg.get('error')} (exit code {code})" + self._others_dead(name))
+            failed = (f"worker {name} (pid {w.proc.pid}) failed during '{msg.get('cmd', '?')}': "
+                      f"{msg.get('error')} (exit code {code})")
+            cause = self._first_dead(name)
+            if cause is not None:  # name the worker that died first: its death is why this one failed
+                raise DemoError(f"{self._died(cause)}; then {failed}")
+            raise DemoError(failed)
         if msg.get("event") in ("layer", "token", "kv_ready"):
             if self.on_progress:
                 self.on_progress(name, msg)
