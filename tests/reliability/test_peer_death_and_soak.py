@@ -5,6 +5,7 @@ threads) over 10^5 operations, and every byte that moved is verified.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -202,15 +203,25 @@ def test_soak_register_deregister_100k_cycles_flat_rss_and_fds(transport):
         a.finalize()
 
 
-def test_soak_100k_transfers_flat_rss_and_fds_every_byte_checked(transport):
+@contextlib.contextmanager
+def _linked(transport, nbytes):
+    """Target engine a with `dst` registered, initiator b with `src`, b connected to a; both finalized after."""
     a, b = _engine(transport), _engine(transport)
     try:
-        n, slot = 100000, 64
-        dst = np.zeros(1024 * slot, np.uint8)
-        src = np.zeros(1024 * slot, np.uint8)
+        dst = np.zeros(nbytes, np.uint8)
+        src = np.zeros(nbytes, np.uint8)
         assert a.register_mem(MemDesc(dst.ctypes.data, dst.size))[0] == SUCCESS
         assert b.register_mem(MemDesc(src.ctypes.data, src.size))[0] == SUCCESS
-        assert b.connect(a.local_engine, 10000) == SUCCESS
+        assert b.connect(a.local_engine, 10000) == SUCCESS, b.last_error()
+        yield a, b, dst, src
+    finally:
+        b.finalize()
+        a.finalize()
+
+
+def test_soak_100k_transfers_flat_rss_and_fds_every_byte_checked(transport):
+    n, slot = 100000, 64
+    with _linked(transport, 1024 * slot) as (a, b, dst, src):
         name = a.local_engine
 
         def run(lo, hi):
@@ -228,20 +239,11 @@ def test_soak_100k_transfers_flat_rss_and_fds_every_byte_checked(transport):
         np.testing.assert_array_equal(dst, src)
         assert _fds() == fds0, (fds0, _fds())
         assert grew < 16 << 20, "RSS grew by %.1f MiB over 95k transfers" % (grew / 2 ** 20)
-    finally:
-        b.finalize()
-        a.finalize()
 
 
 def test_eight_threads_share_one_engine(transport):
-    a, b = _engine(transport), _engine(transport)
-    try:
-        per, chunk = 400, 8192
-        dst = np.zeros(8 * chunk, np.uint8)
-        src = np.zeros(8 * chunk, np.uint8)
-        assert a.register_mem(MemDesc(dst.ctypes.data, dst.size))[0] == SUCCESS
-        assert b.register_mem(MemDesc(src.ctypes.data, src.size))[0] == SUCCESS
-        assert b.connect(a.local_engine, 10000) == SUCCESS
+    per, chunk = 400, 8192
+    with _linked(transport, 8 * chunk) as (a, b, dst, src):
         name, errors = a.local_engine, []
 
         def worker(t):
@@ -272,6 +274,3 @@ def test_eight_threads_share_one_engine(transport):
         assert rc == SUCCESS
         got = sorted((n.name, int(n.notify_msg)) for n in notes)
         assert got == sorted(("t%d" % t, i) for t in range(8) for i in range(0, per, 50))
-    finally:
-        b.finalize()
-        a.finalize()
