@@ -28,7 +28,7 @@ if [ -z "$CXX" ]; then
 fi
 [ -n "$CXX" ] || { log "ERROR: clang++ not found (apt-get install clang libclang-rt-14-dev)"; exit 2; }
 
-SRCS=(csrc/wire/wire.cc csrc/wire/control.cc csrc/transport/oob.cc csrc/tests/fuzz_wire.cc)
+SRCS=(csrc/wire/wire.cc csrc/wire/control.cc csrc/wire/frame_reader.cc csrc/transport/oob.cc csrc/tests/fuzz_wire.cc)
 FLAGS=(-std=c++17 -g -O1 -fno-omit-frame-pointer -Icsrc -fsanitize=address,undefined -fno-sanitize-recover=all)
 log "build fuzz_wire with $CXX ($("$CXX" --version | head -n 1))"
 "$CXX" "${FLAGS[@]}" -fsanitize=fuzzer "${SRCS[@]}" -o "$OUT/fuzz_wire" \

@@ -1,14 +1,18 @@
-// libFuzzer target for the parsers of everything a peer sends before and during a handshake:
+// libFuzzer target for the parsers of everything a peer sends, during a handshake and on a link:
 // frame headers, endpoint Hello frames, engine control frames (Connect/Accept/Refuse/.../Auth*),
 // and engine addresses. Built and run by ci/fuzz.sh (clang, -fsanitize=fuzzer,address,undefined).
 //
 // Each input is tried as (1) a whole control frame, (2) a whole Hello frame, (3) a control payload
-// whose type the first byte picks, (4) an "ip:port" string. A parser may accept or throw
+// whose type the first byte picks, (4) an "ip:port" string, (5) a control stream read by
+// wire::FrameReader (the engine's progress thread), fed whole and in chunks the input sizes: both
+// readings must give the same frames, each the very bytes of the stream, and the same refusal.
+// A parser may accept or throw
 // hixl::Error; anything else (another exception, a sanitizer report, an allocation over
 // -malloc_limit_mb) is a finding. What parses must encode back to the very same bytes: the format
 // has one encoding per value, so a difference means a field was dropped or misread.
 //
 // Built with -DHIXL_FUZZ_SEEDS instead, main(dir) writes the seed corpus: valid frames of every type.
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -19,6 +23,7 @@
 #include "transport/oob.h"
 #include "verbs/error.h"
 #include "wire/control.h"
+#include "wire/frame_reader.h"
 #include "wire/wire.h"
 
 using namespace hixl;
@@ -33,6 +38,60 @@ void same_or_trap(const std::vector<uint8_t>& again, const uint8_t* data, size_t
     std::fprintf(stderr, "fuzz_wire: %s: %zu bytes parsed but encode back to %zu different bytes\n", what, size,
                  again.size());
     __builtin_trap();
+  }
+}
+
+struct Reading {
+  std::vector<wire::Frame> frames;
+  std::string error;  // the refusal, if any
+  size_t pending = 0;  // bytes of a frame left incomplete at the end
+  size_t consumed = 0;
+};
+
+// Feeds data to a FrameReader in chunks (0: all at once; else sizes 1..64 drawn from the data) and
+// takes every frame, as the engine does.
+Reading read_stream(const uint8_t* data, size_t size, bool chunked) {
+  Reading out;
+  wire::FrameReader r;
+  size_t i = 0;
+  try {
+    while (out.consumed < size) {
+      size_t n = chunked ? 1 + data[i++ % size] % 64 : size;
+      n = std::min(n, size - out.consumed);
+      size_t used = 0;
+      while (used < n) {
+        used += r.feed(data + out.consumed + used, n - used);
+        if (r.has_frame()) out.frames.push_back(r.take());
+      }
+      out.consumed += n;
+    }
+  } catch (const Error& e) {
+    out.error = e.what();
+  }
+  out.pending = r.pending_bytes();
+  return out;
+}
+
+void check_frame_reader(const uint8_t* data, size_t size) {
+  const Reading whole = read_stream(data, size, false);
+  const Reading chunks = read_stream(data, size, true);
+  bool same = whole.frames.size() == chunks.frames.size() && whole.error == chunks.error;
+  std::vector<uint8_t> again;
+  for (size_t i = 0; same && i < whole.frames.size(); ++i) {
+    const auto& a = whole.frames[i];
+    const auto& b = chunks.frames[i];
+    same = a.header.type == b.header.type && a.payload == b.payload;
+    auto f = wire::encode_frame(a.header.type, a.payload);
+    again.insert(again.end(), f.begin(), f.end());
+  }
+  if (!same) {
+    std::fprintf(stderr, "fuzz_wire: FrameReader: %zu bytes read whole and in chunks differ (%zu vs %zu frames)\n",
+                 size, whole.frames.size(), chunks.frames.size());
+    __builtin_trap();
+  }
+  if (whole.error.empty()) {
+    if (again.size() + whole.pending != size) __builtin_trap();  // every byte is in a frame or pending
+    same_or_trap(again, data, again.size(), "FrameReader frames");
   }
 }
 
@@ -63,6 +122,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     oob::split_host_port(std::string(reinterpret_cast<const char*>(data), size));
   } catch (const Error&) {
   }
+  check_frame_reader(data, size);
   return 0;
 }
 
@@ -148,6 +208,15 @@ int main(int argc, char** argv) {
     p.insert(p.end(), f.begin() + wire::kHeaderSize, f.end());
     write(dir, "payload-" + std::to_string(int(c.type)), p);
     n += 2;
+  }
+  {
+    std::vector<uint8_t> stream;  // every control frame back to back, the last one cut short
+    for (const auto& c : controls()) {
+      auto f = wire::encode_control(c);
+      stream.insert(stream.end(), f.begin(), f.end());
+    }
+    stream.resize(stream.size() - 3);
+    write(dir, "stream", stream), ++n;
   }
   for (size_t r : {0u, 1u, 5u}) write(dir, "hello-" + std::to_string(r), wire::encode_hello(hello(r))), ++n;
   write(dir, "ready", wire::encode_ready()), ++n;

@@ -1,11 +1,14 @@
 // Engine building blocks that need no device: the region table (local/remote range lookup that
-// gates every transfer) and the control-channel frames.
+// gates every transfer), the control-channel frames, and the progress thread's incremental reader
+// of them (wire::FrameReader).
+#include <algorithm>
 #include <random>
 
 #include "check.h"
 #include "engine/region_table.h"
 #include "verbs/error.h"
 #include "wire/control.h"
+#include "wire/frame_reader.h"
 
 using namespace hixl;
 using engine::RegionEntry;
@@ -186,10 +189,160 @@ void control_frames() {
   }
 }
 
+// Feeds `stream` to r in chunks of the given sizes (cycled); returns the frames that came out.
+std::vector<wire::Frame> feed_all(wire::FrameReader& r, const std::vector<uint8_t>& stream,
+                                  const std::vector<size_t>& chunks) {
+  std::vector<wire::Frame> out;
+  size_t off = 0, i = 0;
+  while (off < stream.size()) {
+    const size_t n = std::min(chunks[i++ % chunks.size()], stream.size() - off);
+    size_t used = 0;
+    while (used < n) {  // as the engine does: every frame of one read, in order
+      used += r.feed(stream.data() + off + used, n - used);
+      if (r.has_frame()) out.push_back(r.take());
+    }
+    off += n;
+  }
+  return out;
+}
+
+std::vector<uint8_t> header_bytes(uint32_t magic, uint16_t type, uint32_t payload_len) {
+  std::vector<uint8_t> h(wire::kHeaderSize, 0);
+  auto put = [&](size_t at, uint64_t v, int n) { for (int i = 0; i < n; ++i) h[at + i] = uint8_t(v >> (8 * i)); };
+  put(0, magic, 4);
+  put(4, wire::kVersion, 2);
+  put(6, type, 2);
+  put(8, payload_len, 4);
+  return h;
+}
+
+void frame_reader() {
+  // Every control frame type, back to back, as one stream.
+  std::vector<std::vector<uint8_t>> frames;
+  std::vector<uint8_t> stream;
+  for (const auto& c : samples()) {
+    frames.push_back(wire::encode_control(c));
+    stream.insert(stream.end(), frames.back().begin(), frames.back().end());
+  }
+  auto same = [&](const std::vector<wire::Frame>& got) {
+    CHECK_EQ(got.size(), frames.size());
+    for (size_t i = 0; i < got.size() && i < frames.size(); ++i) {
+      CHECK(got[i].header.type == wire::FrameType(frames[i][6] | frames[i][7] << 8));
+      CHECK_EQ(got[i].header.payload_len, frames[i].size() - wire::kHeaderSize);
+      CHECK(std::equal(got[i].payload.begin(), got[i].payload.end(), frames[i].begin() + wire::kHeaderSize,
+                       frames[i].end()));
+    }
+  };
+  // Byte by byte: nothing comes out before a frame's last byte, and the pending count follows.
+  {
+    wire::FrameReader r;
+    std::vector<wire::Frame> got;
+    size_t in_frame = 0, f = 0;
+    for (size_t off = 0; off < stream.size(); ++off) {
+      CHECK_EQ(r.feed(&stream[off], 1), size_t(1));
+      ++in_frame;
+      const bool last = in_frame == frames[f].size();
+      CHECK_EQ(r.has_frame(), last);
+      CHECK_EQ(r.pending_bytes(), in_frame);
+      CHECK_EQ(r.pending_header().has_value(), in_frame >= wire::kHeaderSize);
+      if (last) {
+        CHECK_EQ(r.feed(&stream[off], 1), size_t(0));  // a complete frame takes nothing more until taken
+        got.push_back(r.take());
+        CHECK_EQ(r.pending_bytes(), size_t(0));
+        in_frame = 0;
+        ++f;
+      }
+    }
+    same(got);
+  }
+  // The whole stream in one read: every frame of it comes out, in order.
+  {
+    wire::FrameReader r;
+    same(feed_all(r, stream, {stream.size()}));
+    CHECK_EQ(r.pending_bytes(), size_t(0));
+  }
+  // Chunks that cut headers and payloads anywhere.
+  for (auto chunks : std::vector<std::vector<size_t>>{{3}, {7, 1}, {15, 17, 2}, {16}, {100, 5}, {4096}}) {
+    wire::FrameReader r;
+    same(feed_all(r, stream, chunks));
+  }
+  // A frame left incomplete says what is pending.
+  {
+    wire::Control n;
+    n.type = wire::FrameType::kNotify;
+    n.seq = 1;
+    n.name = "n";
+    n.text = "m";
+    auto f = wire::encode_control(n);
+    wire::FrameReader r;
+    r.feed(f.data(), 7);
+    CHECK_EQ(r.describe_pending(), std::string("7 of the 16 header bytes"));
+    r.feed(f.data() + 7, wire::kHeaderSize - 7 + 5);
+    CHECK_EQ(r.describe_pending(), "5 of the " + std::to_string(f.size() - wire::kHeaderSize) +
+                                       " payload bytes of a Notify frame (type 7)");
+    CHECK(!r.has_frame());
+    CHECK_THROWS_WITH(r.take(), "without a complete frame");
+  }
+  // Oversized: refused as soon as the header is complete, before anything is allocated for it.
+  {
+    wire::FrameReader r;
+    auto h = header_bytes(wire::kMagic, uint16_t(wire::FrameType::kRegions), wire::kMaxPayload + 1);
+    CHECK_EQ(r.feed(h.data(), wire::kHeaderSize - 1), wire::kHeaderSize - 1);  // not yet complete
+    CHECK_THROWS_WITH(r.feed(&h[wire::kHeaderSize - 1], 1), "exceeds the limit");
+    CHECK_EQ(r.held_bytes(), size_t(0));
+    CHECK_THROWS_WITH(r.feed(h.data(), 1), "exceeds the limit");  // failed for good
+  }
+  {
+    wire::FrameReader r(64);  // a reader's own, smaller bound (as recv_payload's max_payload)
+    auto h = header_bytes(wire::kMagic, uint16_t(wire::FrameType::kNotify), 65);
+    CHECK_THROWS_WITH(r.feed(h.data(), h.size()), "at most 64 bytes");
+    CHECK_EQ(r.held_bytes(), size_t(0));
+  }
+  // A large frame announced, little of it sent: the memory held follows what arrived.
+  {
+    wire::FrameReader r;
+    auto h = header_bytes(wire::kMagic, uint16_t(wire::FrameType::kRegions), wire::kMaxPayload);
+    std::vector<uint8_t> bytes(h);
+    bytes.resize(bytes.size() + 10, 0xab);
+    CHECK_EQ(r.feed(bytes.data(), bytes.size()), bytes.size());
+    CHECK(r.held_bytes() <= 10);
+    std::vector<uint8_t> more(100000, 0xcd);
+    CHECK_EQ(r.feed(more.data(), more.size()), more.size());
+    CHECK(r.held_bytes() <= 2 * (10 + more.size()));
+    CHECK(!r.has_frame());
+  }
+  // Bad magic, version, type, reserved field: refused at the header's last byte, for good.
+  {
+    auto good = header_bytes(wire::kMagic, uint16_t(wire::FrameType::kPing), 0);
+    wire::FrameReader ok;
+    CHECK_EQ(ok.feed(good.data(), good.size()), good.size());
+    CHECK(ok.has_frame());  // an empty payload: complete with its header
+    CHECK(ok.take().payload.empty());
+
+    auto bad = header_bytes(0x50545448, uint16_t(wire::FrameType::kPing), 0);  // "HTTP"
+    wire::FrameReader r;
+    for (size_t i = 0; i + 1 < bad.size(); ++i) CHECK_EQ(r.feed(&bad[i], 1), size_t(1));
+    CHECK_THROWS_WITH(r.feed(&bad[bad.size() - 1], 1), "bad magic");
+    CHECK_THROWS_WITH(r.feed(good.data(), good.size()), "bad magic");
+    auto v = good;
+    v[4] = 9;
+    wire::FrameReader rv;
+    CHECK_THROWS_WITH(rv.feed(v.data(), v.size()), "unsupported protocol version 9");
+    auto t = header_bytes(wire::kMagic, 999, 0);
+    wire::FrameReader rt;
+    CHECK_THROWS_WITH(rt.feed(t.data(), t.size()), "unknown frame type 999");
+    auto z = good;
+    z[12] = 1;
+    wire::FrameReader rz;
+    CHECK_THROWS_WITH(rz.feed(z.data(), z.size()), "reserved");
+  }
+}
+
 }  // namespace
 
 int main() {
   region_table();
   control_frames();
+  frame_reader();
   return report("test_engine_units");
 }

@@ -201,9 +201,7 @@ wire::Header recv_header(const Socket& s, Clock::time_point deadline) {
 
 std::vector<uint8_t> recv_payload(const Socket& s, const wire::Header& h, Clock::time_point deadline,
                                   uint32_t max_payload) {
-  if (h.payload_len > max_payload)
-    throw Error("wire: frame type " + std::to_string(int(h.type)) + " announces a " + std::to_string(h.payload_len) +
-                "-byte payload; at most " + std::to_string(max_payload) + " bytes are accepted here");
+  wire::check_payload_len(h, max_payload);
   constexpr size_t kStep = 64 * 1024;
   std::vector<uint8_t> payload;
   while (payload.size() < h.payload_len) {

@@ -119,6 +119,38 @@ Header parse_header(const uint8_t* data, size_t len) {
   return h;
 }
 
+void check_payload_len(const Header& h, uint32_t max_payload) {
+  if (h.payload_len > max_payload)
+    throw Error("wire: frame type " + std::to_string(int(h.type)) + " announces a " + std::to_string(h.payload_len) +
+                "-byte payload; at most " + std::to_string(max_payload) + " bytes are accepted here");
+}
+
+const char* frame_type_name(FrameType t) {
+  switch (t) {
+    case FrameType::kHello: return "Hello";
+    case FrameType::kReady: return "Ready";
+    case FrameType::kReject: return "Reject";
+    case FrameType::kConnect: return "Connect";
+    case FrameType::kAccept: return "Accept";
+    case FrameType::kRefuse: return "Refuse";
+    case FrameType::kNotify: return "Notify";
+    case FrameType::kNotifyAck: return "NotifyAck";
+    case FrameType::kRegions: return "Regions";
+    case FrameType::kRegionsReq: return "RegionsReq";
+    case FrameType::kAbort: return "Abort";
+    case FrameType::kAbortAck: return "AbortAck";
+    case FrameType::kBye: return "Bye";
+    case FrameType::kAttach: return "Attach";
+    case FrameType::kFlag: return "Flag";
+    case FrameType::kAuthHello: return "AuthHello";
+    case FrameType::kAuthChallenge: return "AuthChallenge";
+    case FrameType::kAuthProof: return "AuthProof";
+    case FrameType::kPing: return "Ping";
+    case FrameType::kPong: return "Pong";
+  }
+  return "?";
+}
+
 Hello parse_hello(const uint8_t* data, size_t len) {
   Reader r(data, len, "hello");
   Hello h;

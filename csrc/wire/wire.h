@@ -70,6 +70,11 @@ std::vector<uint8_t> encode_reject(const std::string& reason);
 
 // Parses and validates a 16-byte header. Throws hixl::Error naming what is wrong.
 Header parse_header(const uint8_t* data, size_t len);
+// Refuses (hixl::Error) a header whose payload_len exceeds max_payload, a reader's own bound (at
+// most kMaxPayload, which parse_header() enforces): called before anything is allocated for it.
+void check_payload_len(const Header& h, uint32_t max_payload);
+// "Notify", "Ping", ...: for messages ("?" for a value outside FrameType).
+const char* frame_type_name(FrameType t);
 // Parses a Hello payload (header already stripped). Throws hixl::Error on any inconsistency.
 Hello parse_hello(const uint8_t* data, size_t len);
 // Parses a whole frame (header + payload) that must be a Hello.
