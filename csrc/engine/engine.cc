@@ -15,6 +15,7 @@
 #include "transport/tcp_path.h"
 #include "verbs/error.h"
 #include "verbs/log.h"
+#include "wire/frame_reader.h"
 
 namespace hixl::engine {
 
@@ -27,6 +28,12 @@ static_assert(auth::kStatusRefused == uint32_t(kFailed), "auth/handshake.h names
 namespace {
 
 constexpr int kRetryWithoutShm = -1;  // connect_once(): the same-host probe failed on our side
+// A control frame whose first byte arrived must be complete within this, or its link is closed: the
+// bound the progress thread's blocking read of a frame had before it read incrementally, so a peer
+// that was fine then is fine now (a frame is written whole; only a hung or hostile peer stops
+// inside one). It holds up no other link meanwhile.
+constexpr milliseconds kFrameCompleteBound{2000};
+constexpr size_t kControlReadBytes = 64 * 1024;  // one read per link and round: a flood holds up no one
 thread_local std::string t_last_error;
 
 // Records why a call returns `code` (Engine::last_error) and logs it: refusals of bad input at info
@@ -152,6 +159,32 @@ struct Engine::Link {
   void heard() { last_rx = Clock::now().time_since_epoch().count(); }
   milliseconds silent_for(Clock::time_point now) const {
     return std::chrono::duration_cast<milliseconds>(now - Clock::time_point(Clock::duration(last_rx.load())));
+  }
+
+  // The progress thread's reading of ctrl (only it touches rx and rx_since): the frame in progress,
+  // and when its first byte arrived. rx_pending_* mirror rx for the heartbeat's message (0: none;
+  // type 0: its header is incomplete).
+  wire::FrameReader rx;
+  Clock::time_point rx_since{};
+  std::atomic<size_t> rx_pending_bytes{0};
+  std::atomic<uint16_t> rx_pending_type{0};
+  void publish_rx() {
+    rx_pending_bytes = rx.pending_bytes();
+    rx_pending_type = rx.pending_header() ? uint16_t(rx.pending_header()->type) : 0;
+  }
+  // For messages: "" or "; 21 bytes of a Notify frame (type 7) pending, incomplete".
+  std::string pending_note() const {
+    const size_t n = rx_pending_bytes;
+    if (!n) return "";
+    const uint16_t t = rx_pending_type;
+    return "; " + std::to_string(n) + " bytes of " +
+           (t ? std::string("a ") + wire::frame_type_name(wire::FrameType(t)) + " frame (type " + std::to_string(t) + ")"
+              : std::string("a frame header")) +
+           " pending, incomplete";
+  }
+  bool is_down() {
+    std::lock_guard<std::mutex> g(mu);
+    return down;
   }
 
   // A frame that could not be sent whole leaves the stream unusable: shut the socket down so the
@@ -954,8 +987,8 @@ void Engine::serve_attach(oob::Socket s, const wire::Control& c) {
             "): a replaced or closed link's; dropped");
 }
 
-// On its own thread, so that nothing a linked peer does to the progress thread (a frame sent
-// slowly, a reply it does not read) delays anyone's handshake.
+// On its own thread, so that nothing a linked peer does to the progress thread (a reply it does not
+// read) delays anyone's handshake.
 void Engine::accept_loop() {
   while (!stop_) {
     pollfd p[2] = {{accept_wake_fd_, POLLIN, 0}, {listener_.fd(), POLLIN, 0}};
@@ -1774,6 +1807,46 @@ void Engine::handle_frame(const std::shared_ptr<Link>& link, const wire::Control
   }
 }
 
+void Engine::read_control(const std::shared_ptr<Link>& link) {
+  uint8_t buf[kControlReadBytes];
+  ssize_t n;
+  do n = ::recv(link->ctrl.fd(), buf, sizeof buf, MSG_DONTWAIT);
+  while (n < 0 && errno == EINTR);
+  if (n < 0) {
+    if (errno == EAGAIN || errno == EWOULDBLOCK) return;
+    throw_errno(CallDesc("recv").arg("fd", link->ctrl.fd()).str(), errno);
+  }
+  wire::FrameReader& rx = link->rx;
+  if (n == 0)
+    throw Error("peer closed the connection" +
+                    (rx.pending_bytes() ? " in the middle of a frame (" + rx.describe_pending() + " had arrived)"
+                                        : std::string()),
+                ECONNRESET);
+  const bool continued = rx.pending_bytes() > 0;
+  bool completed = false;
+  for (size_t used = 0; used < size_t(n);) {
+    used += rx.feed(buf + used, size_t(n) - used);  // throws on a header the blocking reads refuse too
+    if (!rx.has_frame()) continue;
+    wire::Frame f = rx.take();
+    completed = true;
+    link->heard();
+    handle_frame(link, wire::parse_control(f.header.type, f.payload.data(), f.payload.size()));
+    if (link->is_down()) return;  // a goodbye or an abort: what follows is not for us
+  }
+  if (rx.pending_bytes() && (completed || !continued)) link->rx_since = Clock::now();  // a new frame began
+  link->publish_rx();
+}
+
+void Engine::close_if_frame_stuck(const std::shared_ptr<Link>& link, Clock::time_point now) {
+  if (!link->rx.pending_bytes() || now - link->rx_since < kFrameCompleteBound || link->is_down()) return;
+  const auto ms = std::chrono::duration_cast<milliseconds>(now - link->rx_since).count();
+  const std::string why = "a control frame incomplete for " + std::to_string(ms) + " ms (the bound is " +
+                          std::to_string(kFrameCompleteBound.count()) + " ms): " + link->rx.describe_pending() +
+                          " arrived, then nothing: the peer is hung or broken";
+  log::warn("engine " + name_ + ": link to " + link->key + ": " + why + "; closing it");
+  remove_link(link, why);
+}
+
 void Engine::progress_loop() {
   std::vector<pollfd> pfds;
   std::vector<std::shared_ptr<Link>> polled;
@@ -1788,7 +1861,13 @@ void Engine::progress_loop() {
         pfds.push_back({l->ctrl.fd(), POLLIN, 0});
       }
     }
-    int rc = ::poll(pfds.data(), pfds.size(), 1000);
+    // Asleep no longer than until the first incomplete frame's bound.
+    auto wait = milliseconds(1000);
+    for (auto& l : polled)
+      if (l->rx.pending_bytes())
+        wait = std::min(wait, std::chrono::ceil<milliseconds>(std::max(l->rx_since + kFrameCompleteBound - Clock::now(),
+                                                                       Clock::duration::zero())));
+    int rc = ::poll(pfds.data(), pfds.size(), int(wait.count()));
     if (stop_) break;
     if (rc < 0) {
       if (errno != EINTR) log::warn("engine progress: " + errno_str(errno));
@@ -1804,18 +1883,13 @@ void Engine::progress_loop() {
       if (!pfds[base + i].revents) continue;
       auto& link = polled[i];
       try {
-        auto [h, payload] = oob::recv_frame(link->ctrl, Clock::now() + milliseconds(2000));
-        link->heard();
-        handle_frame(link, wire::parse_control(h.type, payload.data(), payload.size()));
+        read_control(link);
       } catch (const std::exception& e) {
-        bool down;
-        {
-          std::lock_guard<std::mutex> g(link->mu);
-          down = link->down;
-        }
-        if (!down) remove_link(link, std::string("control connection lost: ") + e.what());
+        if (!link->is_down()) remove_link(link, std::string("control connection lost: ") + e.what());
       }
     }
+    const auto now = Clock::now();
+    for (auto& link : polled) close_if_frame_stuck(link, now);
   }
 }
 
@@ -1857,7 +1931,8 @@ void Engine::heartbeat() {
     if (silent > limit) {
       const std::string why = "no frame from the peer for " + std::to_string(silent.count()) + " ms (a ping every " +
                               std::to_string(hb) + " ms, " + std::to_string(opts_.heartbeat_misses) +
-                              " intervals without an answer): the peer is hung, stopped or unreachable";
+                              " intervals without an answer): the peer is hung, stopped or unreachable" +
+                              link->pending_note();
       log::warn("engine " + name_ + ": link to " + link->key + ": " + why + "; closing it");
       remove_link(link, why);
       continue;

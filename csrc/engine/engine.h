@@ -5,7 +5,8 @@
 // (registered once, on the device's shared protection domain, usable by every link), a cache of each
 // peer's regions, the transfer requests, and the notify inbox. An acceptor thread accepts peers
 // (each handshake then runs on a thread of its own, bounded by a deadline and by kMaxHandshakes), a
-// progress thread serves the control connections; the data path never involves the receiver's CPU.
+// progress thread serves the control connections, reading each incrementally (a peer that stops in
+// the middle of a frame holds up no other link); the data path never involves the receiver's CPU.
 //
 // Every public method returns a hixl status code (or a pair starting with one) and never throws.
 #pragma once
@@ -223,6 +224,12 @@ class Engine {
   void push_regions();
 
   void progress_loop();
+  // What the link's control connection holds now (one read, never a wait for more): every frame it
+  // completes is handled, in order; a frame left incomplete stays in the link's reader. Throws when
+  // the connection failed or the peer broke the format (the caller closes the link).
+  void read_control(const std::shared_ptr<Link>& link);
+  // Closes the link when its incomplete control frame began more than kFrameCompleteBound ago.
+  void close_if_frame_stuck(const std::shared_ptr<Link>& link, std::chrono::steady_clock::time_point now);
   // Every tick: the heartbeat (pings, links gone silent) and the async requests past their deadline.
   void watchdog_loop();
   void heartbeat();

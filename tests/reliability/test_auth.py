@@ -611,8 +611,9 @@ def test_slowloris_does_not_stall_other_handshakes(make, token):
 
 
 def test_a_linked_peer_sending_slowly_does_not_delay_handshakes(make):
-    """A peer that completed its handshake (no token here) and then sends half a control frame holds
-    the progress thread up to its 2 s frame deadline: handshakes run elsewhere and go on meanwhile."""
+    """A peer that completed its handshake (no token here) and then sends half a control frame: handshakes
+    run on threads of their own and go on meanwhile (that the progress thread, and so the other links,
+    go on too is reliability/test_half_frame.py's)."""
     a = make("tcp")
     with raw(_port(a)) as s:
         s.sendall(frame(CONNECT, connect_payload(name="127.0.0.1:1", offers=TCP_BIT)))
