@@ -1,0 +1,36 @@
+"""``hixl.kv``: the KV-cache layer of a prefill/decode (PD) disaggregated pipeline.
+
+What an inference engine imports. It sits on :class:`hixl.Hixl` and so runs over every transport
+(rdma, shm, tcp) with the same semantics.
+
+* :class:`KVLayout` - layers, KV heads, head dim, dtype and tokens per block (paged, vLLM-style).
+* :class:`KVPool` - registered memory laid out as ``[layer][K|V][block][token][head][dim]`` plus a small
+  per-request *aux* area; :meth:`KVPool.offset` is the one place a byte offset is computed.
+* :class:`KVReceiver` (decode side) - hands out request *slots* (a block table and a ticket) as
+  :class:`Grant` objects, learns that a request's KV is complete from its completion flag, and gives
+  back the K/V. Three ways to wait: :meth:`KVReceiver.poll` (non-blocking), :meth:`KVReceiver.wait`
+  (blocks on the completion event, optionally with a timeout) and :meth:`KVReceiver.fileno` for
+  ``select``/``asyncio``.
+* :class:`KVSender` (prefill side) - :meth:`KVSender.push` is non-blocking and is called as soon as a
+  chunk of layers is computed, so their transfer overlaps the compute of the next ones. A request may
+  go to several decoders (replicated, or layer-sharded: each grant names its layers). The last push to
+  a decoder carries the completion flag (RDMA: WRITE_WITH_IMM; shm/tcp: the ordered flag frame).
+  In-flight transfers are bounded (``max_inflight``): a push beyond waits, never overflows a queue.
+
+Isolation: blocks are owned by exactly one live slot; a grant addresses only its own blocks; a flag
+whose ticket is unknown (stale) or that comes from another engine than the one the grant was made
+for is ignored (and logged). A slot freed before its flag arrived keeps its blocks *quarantined*
+until that flag arrives or :meth:`KVReceiver.reclaim` is called, so a late writer never lands in
+another request's blocks.
+"""
+from .errors import KVError, KVTimeout, PoolExhausted, TransferFailed
+from .grant import Grant
+from .layout import KVLayout
+from .pool import KVPool
+from .receiver import KVReceiver
+from .sender import KVSender, union_seconds
+
+__all__ = [
+    "KVError", "PoolExhausted", "KVTimeout", "TransferFailed",
+    "KVLayout", "KVPool", "Grant", "KVReceiver", "KVSender", "union_seconds",
+]

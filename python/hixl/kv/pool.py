@@ -1,0 +1,154 @@
+"""``KVPool``: registered memory for the KV blocks of every layer, plus per-request aux slots."""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import threading
+from typing import Iterable, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ..engine import Hixl
+from ..types import SUCCESS, MemDesc, MemType
+from .errors import KVError, PoolExhausted
+from .layout import KVLayout
+
+_PAGE = 4096
+
+
+class _Ids:
+    """A pool of integer ids [0, n) taken and given back in batches; ``take`` can wait."""
+
+    def __init__(self, n: int, what: str):
+        self._free: List[int] = list(range(n - 1, -1, -1))  # pop() hands out low ids first
+        self._n, self._what = n, what
+        self._cv = threading.Condition()
+
+    @property
+    def free(self) -> int:
+        with self._cv:
+            return len(self._free)
+
+    def take(self, count: int, timeout: Optional[float]) -> List[int]:
+        if count > self._n:
+            raise PoolExhausted(f"{count} {self._what} requested, the pool has {self._n} in all")
+        with self._cv:
+            if not self._cv.wait_for(lambda: len(self._free) >= count, timeout):
+                raise PoolExhausted(f"{count} {self._what} requested, {len(self._free)} of {self._n} free"
+                                    + (f" after waiting {timeout:g} s" if timeout else ""))
+            out = [self._free.pop() for _ in range(count)]
+        return sorted(out)  # sorted: adjacent ids merge into one descriptor more often
+
+    def give(self, ids: Iterable[int]) -> None:
+        with self._cv:
+            self._free.extend(ids)
+            self._free.sort(reverse=True)
+            self._cv.notify_all()
+
+
+class KVPool:
+    """Registered memory for ``num_blocks`` blocks of every (layer, K|V), plus ``max_requests`` aux
+    slots of ``aux_bytes`` (small per-request metadata that travels with the last chunk, e.g. the
+    first generated token).
+
+    ``memory="acl"`` (default) allocates from :mod:`hixl.acl` (memfd-backed: the shm transport maps
+    it and copies with memcpy) and registers it as ``MEM_DEVICE``; ``"host"`` uses a numpy array.
+    """
+
+    def __init__(self, engine: Hixl, layout: KVLayout, num_blocks: int, *, max_requests: Optional[int] = None,
+                 aux_bytes: int = 256, memory: str = "acl"):
+        if not isinstance(num_blocks, int) or num_blocks <= 0:
+            raise ValueError(f"num_blocks must be a positive int, not {num_blocks!r}")
+        if memory not in ("acl", "host"):
+            raise ValueError(f"memory must be 'acl' or 'host', not {memory!r}")
+        self.engine, self.layout, self.num_blocks = engine, layout, num_blocks
+        self.max_requests = int(max_requests or num_blocks)
+        self.aux_bytes = int(aux_bytes)
+        kv = layout.n_layers * 2 * num_blocks * layout.block_bytes
+        self.aux_offset = -(-kv // _PAGE) * _PAGE
+        self.nbytes = self.aux_offset + self.max_requests * self.aux_bytes
+        self._acl_addr = 0
+        self._host: Optional[np.ndarray] = None
+        if memory == "acl":
+            from .. import acl
+            rc, self._acl_addr = acl.aclrtMalloc(self.nbytes, acl.ACL_MEM_MALLOC_HUGE_FIRST)
+            if rc != acl.ACL_SUCCESS:
+                raise KVError(f"KVPool: aclrtMalloc({self.nbytes}) failed ({rc}): {acl.last_error()}")
+            self.addr = self._acl_addr
+            self.bytes = np.ctypeslib.as_array((ctypes.c_uint8 * self.nbytes).from_address(self.addr))
+            mem_type = MemType.MEM_DEVICE
+        else:
+            self._host = np.zeros(self.nbytes, np.uint8)
+            self.addr, self.bytes, mem_type = self._host.ctypes.data, self._host, MemType.MEM_HOST
+        rc, self._handle = engine.register_mem(MemDesc(self.addr, self.nbytes), mem_type)
+        if rc != SUCCESS:
+            err = engine.last_error()
+            self._free_memory()
+            raise KVError(f"KVPool: register_mem({self.nbytes} bytes) failed: {err}", rc)
+        self.blocks = _Ids(num_blocks, "blocks")
+        self.aux_slots = _Ids(self.max_requests, "aux slots")
+
+    # The one place where (layer, K|V, block, token) becomes a byte offset.
+    def offset(self, layer: int, kv: int, block: int, token: int = 0) -> int:
+        L = self.layout
+        return ((layer * 2 + kv) * self.num_blocks + block) * L.block_bytes + token * L.token_bytes
+
+    def aux_at(self, slot: int) -> int:
+        return self.aux_offset + slot * self.aux_bytes
+
+    def kv_view(self, layer: int, kv: int) -> np.ndarray:
+        """``[num_blocks, block_tokens, n_kv_heads, head_dim]`` view of one (layer, K|V)."""
+        L = self.layout
+        o = self.offset(layer, kv, 0)
+        raw = self.bytes[o:o + self.num_blocks * L.block_bytes]
+        return raw.view(L.np_dtype).reshape(self.num_blocks, L.block_tokens, L.n_kv_heads, L.head_dim)
+
+    def gather(self, layer: int, kv: int, blocks: Sequence[int], n_tokens: int) -> np.ndarray:
+        """The first ``n_tokens`` tokens held in ``blocks`` as one ``[n_tokens, heads, dim]`` array (a copy)."""
+        v = self.kv_view(layer, kv)
+        L = self.layout
+        return v[list(blocks)].reshape(-1, L.n_kv_heads, L.head_dim)[:n_tokens].copy()
+
+    def scatter(self, layer: int, kv: int, blocks: Sequence[int], data: np.ndarray, start: int = 0) -> None:
+        """Write ``data`` (``[T, heads, dim]``) into tokens ``start..start+T`` of ``blocks`` (what a
+        paged-attention kernel's cache write does)."""
+        L = self.layout
+        data = np.asarray(data)
+        if data.ndim != 3 or data.shape[1:] != (L.n_kv_heads, L.head_dim):
+            raise ValueError(f"K/V must be [T, {L.n_kv_heads}, {L.head_dim}], got {data.shape}")
+        if data.dtype != L.np_dtype:
+            raise ValueError(f"K/V dtype {data.dtype} != layout dtype {L.np_dtype}")
+        end = start + data.shape[0]
+        if start < 0 or end > len(blocks) * L.block_tokens:
+            raise ValueError(f"tokens {start}..{end} do not fit in {len(blocks)} blocks")
+        v = self.kv_view(layer, kv)
+        t = start
+        while t < end:
+            b, off = divmod(t, L.block_tokens)
+            n = min(L.block_tokens - off, end - t)
+            v[blocks[b], off:off + n] = data[t - start:t - start + n]
+            t += n
+
+    def checksum(self, blocks: Sequence[int], n_tokens: int, layers: Tuple[int, int]) -> str:
+        """SHA-256 over the request's K/V bytes (tokens in order, layers ``lo..hi``, K then V)."""
+        h = hashlib.sha256()
+        for layer in range(*layers):
+            for kv in (0, 1):
+                h.update(self.gather(layer, kv, blocks, n_tokens).tobytes())
+        return h.hexdigest()
+
+    def _free_memory(self) -> None:
+        if self._acl_addr:
+            from .. import acl
+            acl.aclrtFree(self._acl_addr)
+            self._acl_addr = 0
+        self._host = None
+
+    def close(self) -> None:
+        """Deregisters and frees the memory (the engine must still be initialized to deregister)."""
+        if getattr(self, "_handle", None) is None:
+            return
+        self.engine.deregister_mem(self._handle)
+        self._handle = None
+        self.bytes = np.zeros(0, np.uint8)
+        self._free_memory()

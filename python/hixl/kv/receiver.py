@@ -1,0 +1,280 @@
+"""``KVReceiver``: the decode side - request slots completed by flags."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import asdict
+from typing import Deque, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from ..engine import Hixl
+from ..types import SUCCESS
+from .errors import KVError, KVTimeout, PoolExhausted
+from .grant import Grant
+from .layout import KVLayout
+from .pool import KVPool, _Ids
+
+_log = logging.getLogger("hixl.kv")
+
+
+class _Slot:
+    __slots__ = ("grant", "aux_slot", "complete", "freed", "t_alloc", "t_done", "peer")
+
+    def __init__(self, grant: Grant, aux_slot: int):
+        self.grant, self.aux_slot = grant, aux_slot
+        self.complete = self.freed = False
+        self.t_alloc, self.t_done, self.peer = time.monotonic(), 0.0, ""
+
+
+class KVReceiver:
+    """Decode side: a registered KV pool carved into request slots, completed by flags."""
+
+    def __init__(self, engine: Hixl, layout: KVLayout, num_blocks: int, *, max_requests: Optional[int] = None,
+                 aux_bytes: int = 256, memory: str = "acl"):
+        self.engine, self.layout = engine, layout
+        self.pool = KVPool(engine, layout, num_blocks, max_requests=max_requests, aux_bytes=aux_bytes, memory=memory)
+        self._cv = threading.Condition()
+        self._slots: Dict[str, _Slot] = {}
+        self._by_ticket: Dict[int, _Slot] = {}
+        self._completed: Deque[str] = deque()  # completed, not yet returned by poll()/wait_any()
+        self._next_ticket = 1
+        self._pumping = False
+        self._quarantined = 0  # freed slots whose flag has not arrived yet
+        self.ignored_flags = 0
+
+    # -- slots -------------------------------------------------------------------------------
+    def allocate(self, request_id: str, n_tokens: int, *, extra_tokens: int = 0,
+                 layers: Optional[Tuple[int, int]] = None, prefill: Optional[str] = None,
+                 timeout: Optional[float] = 0.0) -> Grant:
+        """A slot for ``n_tokens`` pushed tokens plus ``extra_tokens`` of room (decode's own tokens).
+
+        ``timeout``: 0 raises :class:`PoolExhausted` at once when the pool is short; None waits
+        without limit; seconds wait that long, then raise. ``prefill``: only flags from this engine
+        complete the slot. ``layers``: ``(lo, hi)`` for a layer-sharded decoder (default all)."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError("request_id must be a non-empty str")
+        if not isinstance(n_tokens, int) or n_tokens <= 0 or extra_tokens < 0:
+            raise ValueError(f"n_tokens must be a positive int and extra_tokens >= 0 (got {n_tokens!r}, {extra_tokens!r})")
+        lo, hi = layers or (0, self.layout.n_layers)
+        if not 0 <= lo < hi <= self.layout.n_layers:
+            raise ValueError(f"layers {layers!r} outside [0, {self.layout.n_layers})")
+        with self._cv:
+            if request_id in self._slots:
+                raise KVError(f"request {request_id!r} already has a slot")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        aux = self._take(self.pool.aux_slots, 1, deadline)
+        try:
+            blocks = self._take(self.pool.blocks, self.layout.blocks_for(n_tokens + extra_tokens), deadline)
+        except BaseException:
+            self.pool.aux_slots.give(aux)
+            raise
+        with self._cv:
+            if request_id in self._slots:  # lost a race with another allocate of the same id
+                self.pool.blocks.give(blocks)
+                self.pool.aux_slots.give(aux)
+                raise KVError(f"request {request_id!r} already has a slot")
+            ticket = self._new_ticket_locked()
+            g = Grant(request_id=request_id, decode=self.engine.local_engine, ticket=ticket, blocks=tuple(blocks),
+                      n_tokens=n_tokens, layers=(lo, hi), pool_addr=self.pool.addr, num_blocks=self.pool.num_blocks,
+                      aux_addr=self.pool.addr + self.pool.aux_at(aux[0]), aux_bytes=self.pool.aux_bytes,
+                      layout=asdict(self.layout), prefill=prefill)
+            slot = _Slot(g, aux[0])
+            self._slots[request_id] = slot
+            self._by_ticket[ticket] = slot
+        self.pool.bytes[self.pool.aux_at(aux[0]):self.pool.aux_at(aux[0]) + self.pool.aux_bytes] = 0
+        return g
+
+    def _take(self, ids: _Ids, count: int, deadline: Optional[float]) -> List[int]:
+        """ids.take(), but while quarantined slots wait for their late flags it takes in the flags
+        too (in 50 ms slices), since one of them may be what frees enough blocks."""
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            quarantined = self._quarantined > 0
+            try:
+                return ids.take(count, 0.0 if quarantined else left)
+            except PoolExhausted:
+                if not quarantined or left == 0.0:
+                    raise
+            with self._cv:
+                self._pump_locked(0.05 if left is None else min(0.05, left))
+
+    def _new_ticket_locked(self) -> int:
+        while True:
+            t = self._next_ticket
+            self._next_ticket = self._next_ticket % 0xFFFFFFFF + 1  # 1..2**32-1, never 0
+            if t not in self._by_ticket:
+                return t
+
+    def free(self, request_id: str) -> None:
+        """Give the slot back. A slot whose flag has not arrived stays quarantined (its blocks are
+        not reused) until the flag arrives or :meth:`reclaim` is called."""
+        with self._cv:
+            slot = self._slots.pop(request_id, None)
+            if slot is None:
+                raise KVError(f"request {request_id!r} has no slot")
+            slot.freed = True
+            if not slot.complete:
+                self._quarantined += 1
+                _log.info("kv: slot of %r freed before its KV arrived: quarantined until its flag arrives", request_id)
+                return
+            del self._by_ticket[slot.grant.ticket]
+        self._release(slot)
+
+    def reclaim(self, request_id: str) -> None:
+        """Return a quarantined slot's blocks now: only once the prefill that held its grant can no
+        longer write (it finished, or its link is gone)."""
+        with self._cv:
+            slot = next((s for s in self._by_ticket.values() if s.freed and s.grant.request_id == request_id), None)
+            if slot is None:
+                raise KVError(f"request {request_id!r} has no quarantined slot")
+            del self._by_ticket[slot.grant.ticket]
+            self._quarantined -= 1
+        self._release(slot)
+
+    def _release(self, slot: _Slot) -> None:
+        self.pool.blocks.give(slot.grant.blocks)
+        self.pool.aux_slots.give([slot.aux_slot])
+
+    @property
+    def free_blocks(self) -> int:
+        return self.pool.blocks.free
+
+    # -- completion ----------------------------------------------------------------------------
+    def _dispatch_locked(self, flags: List[Tuple[str, int]]) -> None:
+        for peer, ticket in flags:
+            slot = self._by_ticket.get(int(ticket))
+            if slot is None or slot.complete:
+                self.ignored_flags += 1
+                _log.warning("kv: completion flag %d from %s matches no waiting slot (stale or duplicate): ignored",
+                             ticket, peer)
+                continue
+            if slot.grant.prefill and peer != slot.grant.prefill:
+                self.ignored_flags += 1
+                _log.warning("kv: completion flag for %r came from %s, not from %s: ignored",
+                             slot.grant.request_id, peer, slot.grant.prefill)
+                continue
+            slot.complete, slot.t_done, slot.peer = True, time.monotonic(), peer
+            if slot.freed:  # quarantined: the late writer is done, the blocks can go back
+                del self._by_ticket[slot.grant.ticket]
+                self._quarantined -= 1
+                self._release(slot)
+            else:
+                self._completed.append(slot.grant.request_id)
+        if flags:
+            self._cv.notify_all()
+
+    def _check(self, rc: int, call: str) -> None:
+        if rc != SUCCESS:
+            raise KVError(f"kv: {call} failed: {self.engine.last_error()}", rc)
+
+    def _pump_locked(self, timeout: Optional[float]) -> None:
+        """Wait (lock released) up to ``timeout`` for flags; one thread waits on the engine, the
+        others on the condition it notifies."""
+        if self._pumping:
+            self._cv.wait(timeout)
+            return
+        self._pumping = True
+        self._cv.release()
+        try:
+            ms = None if timeout is None else max(0, int(timeout * 1000))
+            rc, flags = self.engine.wait_flags(ms)
+        finally:
+            self._cv.acquire()
+            self._pumping = False
+            self._cv.notify_all()
+        self._check(rc, "wait_flags")
+        self._dispatch_locked(flags)
+
+    def poll(self) -> List[str]:
+        """Request ids whose KV became complete since the last poll()/wait_any(); never blocks."""
+        rc, flags = self.engine.poll_flags()
+        with self._cv:
+            self._check(rc, "poll_flags")
+            self._dispatch_locked(flags)
+            out = list(self._completed)
+            self._completed.clear()
+        return out
+
+    def wait_any(self, timeout: Optional[float] = None) -> List[str]:
+        """Like :meth:`poll`, but blocks until at least one request completed or ``timeout`` passed
+        (then an empty list)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            while not self._completed:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return []
+                self._pump_locked(left)
+            out = list(self._completed)
+            self._completed.clear()
+        return out
+
+    def wait(self, request_id: str, timeout: Optional[float] = None, *, warm: bool = False) -> float:
+        """Blocks until ``request_id``'s KV is complete (GIL released while waiting); raises
+        :class:`KVTimeout` after ``timeout`` seconds (None: no limit). Returns the time the flag
+        arrived (``time.monotonic()``). ``warm=True`` then touches every byte of the slot once."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            while True:
+                slot = self._slots.get(request_id)
+                if slot is None:
+                    raise KVError(f"request {request_id!r} has no slot")
+                if slot.complete:
+                    try:
+                        self._completed.remove(request_id)
+                    except ValueError:
+                        pass
+                    t = slot.t_done
+                    break
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise KVTimeout(f"kv: KV of request {request_id!r} not complete within {timeout:g} s")
+                self._pump_locked(left)
+        if warm:
+            self.warm(request_id)
+        return t
+
+    def fileno(self) -> int:
+        """An fd readable while completion flags are pending (select/poll/asyncio), then :meth:`poll`."""
+        return self.engine.flag_fd()
+
+    def is_complete(self, request_id: str) -> bool:
+        with self._cv:
+            slot = self._slots.get(request_id)
+            return bool(slot and slot.complete)
+
+    # -- data ------------------------------------------------------------------------------------
+    def _grant(self, request_id: str) -> Grant:
+        with self._cv:
+            slot = self._slots.get(request_id)
+        if slot is None:
+            raise KVError(f"request {request_id!r} has no slot")
+        return slot.grant
+
+    def grant(self, request_id: str) -> Grant:
+        return self._grant(request_id)
+
+    def kv(self, request_id: str, layer: int) -> Tuple[np.ndarray, np.ndarray]:
+        """``(K, V)`` of one layer as ``[n_tokens, n_kv_heads, head_dim]`` arrays (copies)."""
+        g = self._grant(request_id)
+        if not g.layers[0] <= layer < g.layers[1]:
+            raise ValueError(f"layer {layer} is not in this slot's layers {g.layers}")
+        return (self.pool.gather(layer, 0, g.blocks, g.n_tokens), self.pool.gather(layer, 1, g.blocks, g.n_tokens))
+
+    def aux(self, request_id: str) -> bytes:
+        """The slot's aux bytes (what the prefill passed as ``aux`` with its last push; zeros before)."""
+        g = self._grant(request_id)
+        o = g.aux_addr - self.pool.addr
+        return bytes(self.pool.bytes[o:o + g.aux_bytes])
+
+    def warm(self, request_id: str) -> str:
+        """Read every byte of the slot once (faults pages in, warms caches); returns their SHA-256
+        (the same value as :meth:`KVSender.checksum` on the prefill side)."""
+        g = self._grant(request_id)
+        return self.pool.checksum(g.blocks, g.n_tokens, g.layers)
+
+    def close(self) -> None:
+        self.pool.close()

@@ -1,0 +1,321 @@
+"""``KVSender``: the prefill side - local KV blocks pushed layer chunk by layer chunk to decoders."""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import asdict
+from typing import Any, Deque, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from ..engine import Hixl
+from ..types import SUCCESS, TransferOpDesc, TransferStatus, WRITE
+from .errors import KVError, KVTimeout, TransferFailed
+from .grant import Grant
+from .layout import KVLayout
+from .pool import KVPool
+
+
+class _Target:
+    __slots__ = ("grant", "pushed", "flagged", "aux_slot")
+
+    def __init__(self, grant: Grant, aux_slot: int):
+        self.grant, self.pushed, self.flagged = grant, set(), False
+        self.aux_slot = aux_slot  # our staging slot for this target's aux bytes (one per target: an
+        # earlier target's aux transfer may still be reading its slot when a later one is staged)
+
+
+class _Request:
+    __slots__ = ("blocks", "n_tokens", "aux", "targets", "inflight", "errors", "bytes",
+                 "intervals", "t_first_submit")
+
+    def __init__(self, blocks: List[int], n_tokens: int):
+        self.blocks, self.n_tokens = blocks, n_tokens
+        self.aux: Optional[bytes] = None
+        self.targets: List[_Target] = []
+        self.inflight = 0
+        self.errors: List[str] = []
+        self.bytes = 0
+        self.intervals: List[Tuple[float, float]] = []  # (submitted, completed), monotonic seconds
+        self.t_first_submit = 0.0
+
+
+def union_seconds(intervals: Iterable[Sequence[float]], after: float = float("-inf")) -> float:
+    """Length of the union of ``[a, b]`` intervals (e.g. :meth:`KVSender.stats` ``intervals``),
+    counting only the part after ``after``."""
+    total, end = 0.0, after
+    for a, b in sorted((max(a, after), b) for a, b in intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+class KVSender:
+    """Prefill side: local KV blocks per request, pushed layer chunk by layer chunk to decoders.
+
+    A reaper thread waits on the submitted transfers (GIL released, in 1 s slices), records when each
+    completed and releases in-flight credit; :meth:`push` waits for credit when ``max_inflight``
+    transfers are outstanding (backpressure)."""
+
+    def __init__(self, engine: Hixl, layout: KVLayout, num_blocks: int, *, max_requests: Optional[int] = None,
+                 max_targets: int = 8, aux_bytes: int = 256, memory: str = "acl", max_inflight: int = 64,
+                 timeout: float = 60.0):
+        """``max_requests`` requests at once (default ``num_blocks``), each sent to at most
+        ``max_targets`` decoders on average (each target stages its aux bytes in a slot of its own)."""
+        self.engine, self.layout = engine, layout
+        self.pool = KVPool(engine, layout, num_blocks, max_requests=(max_requests or num_blocks) * max_targets,
+                           aux_bytes=aux_bytes, memory=memory)
+        self.max_inflight, self.timeout = int(max_inflight), float(timeout)
+        self._cv = threading.Condition()
+        self._reqs: Dict[str, _Request] = {}
+        self._queue: Deque[Tuple[int, str, float]] = deque()  # (engine req, request id, submitted)
+        self._inflight = 0
+        self._closed = False
+        self._reaper = threading.Thread(target=self._reap, name="hixl-kv-reaper", daemon=True)
+        self._reaper.start()
+
+    # -- local blocks --------------------------------------------------------------------------
+    def allocate(self, request_id: str, n_tokens: int, timeout: Optional[float] = 0.0) -> List[int]:
+        """Local blocks for ``n_tokens`` tokens of ``request_id`` (raises :class:`PoolExhausted`)."""
+        if not isinstance(n_tokens, int) or n_tokens <= 0:
+            raise ValueError(f"n_tokens must be a positive int, not {n_tokens!r}")
+        with self._cv:
+            if request_id in self._reqs:
+                raise KVError(f"request {request_id!r} is already allocated")
+        blocks = self.pool.blocks.take(self.layout.blocks_for(n_tokens), timeout)
+        with self._cv:
+            self._reqs[request_id] = _Request(blocks, n_tokens)
+        return blocks
+
+    def _req(self, request_id: str) -> _Request:
+        r = self._reqs.get(request_id)
+        if r is None:
+            raise KVError(f"request {request_id!r} is not allocated on this sender")
+        return r
+
+    def store(self, request_id: str, layer: int, k: np.ndarray, v: np.ndarray, start: int = 0) -> None:
+        """Write one layer's K and V (``[T, heads, dim]``) into the request's blocks from token ``start``."""
+        r = self._req(request_id)
+        if not 0 <= layer < self.layout.n_layers:
+            raise ValueError(f"layer {layer} outside [0, {self.layout.n_layers})")
+        self.pool.scatter(layer, 0, r.blocks, k, start)
+        self.pool.scatter(layer, 1, r.blocks, v, start)
+
+    def checksum(self, request_id: str, layers: Optional[Tuple[int, int]] = None) -> str:
+        r = self._req(request_id)
+        return self.pool.checksum(r.blocks, r.n_tokens, layers or (0, self.layout.n_layers))
+
+    # -- targets and pushes ----------------------------------------------------------------------
+    def add_target(self, request_id: str, grant: Union[Grant, Dict[str, Any]]) -> None:
+        """Send this request's KV (the grant's layers) to the grant's decoder (connecting to it
+        first when this engine has no link to it yet)."""
+        g = grant if isinstance(grant, Grant) else Grant.from_dict(grant)
+        r = self._req(request_id)
+        if g.request_id != request_id:
+            raise KVError(f"grant is for request {g.request_id!r}, not {request_id!r}")
+        if g.layout != asdict(self.layout):
+            raise KVError(f"grant for {request_id!r} has layout {g.layout}, this sender has {asdict(self.layout)}")
+        if g.n_tokens != r.n_tokens:
+            raise KVError(f"grant for {request_id!r} is for {g.n_tokens} tokens, the request has {r.n_tokens}")
+        if len(g.blocks) < self.layout.blocks_for(g.n_tokens) or not 0 <= g.layers[0] < g.layers[1] <= self.layout.n_layers:
+            raise KVError(f"grant for {request_id!r} is malformed: {len(g.blocks)} blocks, layers {g.layers}")
+        if any(not 0 <= b < g.num_blocks for b in g.blocks):
+            raise KVError(f"grant for {request_id!r} names blocks outside the decoder's pool of {g.num_blocks}")
+        if self.engine.get_transport(g.decode)[0] != SUCCESS:  # not linked yet: connect now
+            rc = self.engine.connect(g.decode, int(self.timeout * 1000))
+            if rc != SUCCESS:
+                raise TransferFailed(f"kv: connect to decoder {g.decode} failed: {self.engine.last_error()}", rc)
+        with self._cv:
+            if any(t.grant.decode == g.decode and max(t.grant.layers[0], g.layers[0]) < min(t.grant.layers[1], g.layers[1])
+                   for t in r.targets):
+                raise KVError(f"request {request_id!r} already sends layers overlapping {g.layers} to {g.decode}")
+            r.targets.append(_Target(g, self.pool.aux_slots.take(1, 0.0)[0]))
+
+    def _descs(self, r: _Request, g: Grant, layers: List[int]) -> List[TransferOpDesc]:
+        """One descriptor per (layer, K|V, block), adjacent ones merged."""
+        L, out = self.layout, []
+        remote_block = lambda layer, kv, b: g.pool_addr + ((layer * 2 + kv) * g.num_blocks + b) * L.block_bytes  # noqa: E731
+        last = None  # [local, remote, len]
+        for layer in layers:
+            for kv in (0, 1):
+                for j in range(L.blocks_for(r.n_tokens)):
+                    n = min(L.block_tokens, r.n_tokens - j * L.block_tokens) * L.token_bytes
+                    loc = self.pool.addr + self.pool.offset(layer, kv, r.blocks[j])
+                    rem = remote_block(layer, kv, g.blocks[j])
+                    if last is not None and last[0] + last[2] == loc and last[1] + last[2] == rem:
+                        last[2] += n
+                    else:
+                        last = [loc, rem, n]
+                        out.append(last)
+        return [TransferOpDesc(a, b, n) for a, b, n in out]
+
+    def _set_aux(self, r: _Request, aux: Optional[bytes]) -> None:
+        if aux is not None:
+            aux = bytes(aux)
+            if len(aux) > self.pool.aux_bytes:
+                raise ValueError(f"aux is {len(aux)} bytes, at most {self.pool.aux_bytes}")
+            r.aux = aux
+
+    def push(self, request_id: str, layers: Union[int, Iterable[int]], *, aux: Optional[bytes] = None,
+             complete: Optional[bool] = None) -> int:
+        """Start moving ``layers`` (already stored) to every target; returns the bytes submitted.
+
+        Non-blocking unless ``max_inflight`` transfers are outstanding (then it waits for credit).
+        With ``complete=None`` the push that completes a target's layers also writes the aux bytes
+        (``aux``, or those given to an earlier push) and carries the completion flag; with
+        ``complete=False`` no flag goes yet: :meth:`complete` sends it later (so the last layers can
+        travel while the first token is still being computed)."""
+        r = self._req(request_id)
+        want = sorted({layers} if isinstance(layers, int) else set(layers))
+        if any(not 0 <= x < self.layout.n_layers for x in want):
+            raise ValueError(f"layers {want} outside [0, {self.layout.n_layers})")
+        self._set_aux(r, aux)
+        if not r.targets:
+            raise KVError(f"request {request_id!r} has no target: add_target() first")
+        total = 0
+        for t in r.targets:
+            lo, hi = t.grant.layers
+            mine = [x for x in want if lo <= x < hi and x not in t.pushed]
+            if not mine:
+                continue
+            descs = self._descs(r, t.grant, mine)
+            t.pushed.update(mine)
+            flag = None
+            if complete is not False and len(t.pushed) == hi - lo:
+                flag = self._stage_flag(r, t, descs)
+            total += self._submit(request_id, r, t, descs, flag, f"layers {mine}")
+        return total
+
+    def complete(self, request_id: str, *, aux: Optional[bytes] = None) -> int:
+        """Send the completion flag (with the aux bytes) to every target that has all its layers
+        and no flag yet; returns the bytes submitted. Without any aux, one zero byte is written to
+        the target's aux area (a transfer carries the flag)."""
+        r = self._req(request_id)
+        self._set_aux(r, aux)
+        missing = {t.grant.decode: sorted(set(range(*t.grant.layers)) - t.pushed) for t in r.targets}
+        missing = {k: v for k, v in missing.items() if v}
+        if missing:
+            raise KVError(f"kv: complete({request_id!r}): layers not pushed yet: {missing}")
+        total = 0
+        for t in r.targets:
+            if not t.flagged:
+                descs: List[TransferOpDesc] = []
+                flag = self._stage_flag(r, t, descs)
+                total += self._submit(request_id, r, t, descs, flag, "completion flag")
+        return total
+
+    def _stage_flag(self, r: _Request, t: _Target, descs: List[TransferOpDesc]) -> int:
+        """Appends the aux write (staged in the target's own slot) to ``descs``; returns the flag."""
+        aux = r.aux if r.aux is not None else (b"\0" if not descs else None)
+        if aux is not None:
+            a = self.pool.aux_at(t.aux_slot)
+            self.pool.bytes[a:a + len(aux)] = np.frombuffer(aux, np.uint8)
+            descs.append(TransferOpDesc(self.pool.addr + a, t.grant.aux_addr, len(aux)))
+        t.flagged = True
+        return t.grant.ticket
+
+    def _submit(self, request_id: str, r: _Request, t: _Target, descs: List[TransferOpDesc],
+                flag: Optional[int], what: str) -> int:
+        nbytes = sum(d.len for d in descs)
+        self._acquire_credit()
+        now = time.monotonic()
+        rc, req = self.engine.transfer_async(t.grant.decode, WRITE, descs, flag=flag)
+        if rc != SUCCESS:
+            with self._cv:
+                self._inflight -= 1
+                self._cv.notify_all()
+            raise TransferFailed(f"kv: push of {request_id!r} {what} to {t.grant.decode} failed: "
+                                 f"{self.engine.last_error()}", rc)
+        with self._cv:
+            if not r.t_first_submit:
+                r.t_first_submit = now
+            r.inflight += 1
+            r.bytes += nbytes
+            self._queue.append((req, request_id, now))
+            self._cv.notify_all()
+        return nbytes
+
+    def _acquire_credit(self) -> None:
+        with self._cv:
+            self._cv.wait_for(lambda: self._inflight < self.max_inflight or self._closed)
+            if self._closed:
+                raise KVError("kv: sender closed")
+            self._inflight += 1
+
+    def _reap(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._queue or self._closed)
+                if not self._queue:
+                    return
+                req, rid, t_sub = self._queue[0]
+            err = None
+            while True:
+                rc, st = self.engine.transfer_wait(req, 1000)
+                if rc == SUCCESS and st == TransferStatus.WAITING:
+                    if time.monotonic() - t_sub > self.timeout:
+                        err = f"transfer not complete within {self.timeout:g} s"
+                        break
+                    if self._closed:
+                        err = "sender closed"
+                        break
+                    continue
+                if rc != SUCCESS or st != TransferStatus.COMPLETED:
+                    err = f"transfer ended {TransferStatus(st).name}: {self.engine.last_error()}"
+                break
+            t_done = time.monotonic()
+            with self._cv:
+                self._queue.popleft()
+                self._inflight -= 1
+                r = self._reqs.get(rid)
+                if r is not None:
+                    r.inflight -= 1
+                    r.intervals.append((t_sub, t_done))
+                    if err:
+                        r.errors.append(err)
+                self._cv.notify_all()
+
+    def flush(self, request_id: Optional[str] = None, timeout: Optional[float] = None) -> None:
+        """Waits until the request's (or every) transfer ended; raises :class:`TransferFailed` if one
+        failed, :class:`KVTimeout` after ``timeout`` seconds."""
+        with self._cv:
+            reqs = [self._req(request_id)] if request_id is not None else list(self._reqs.values())
+            if not self._cv.wait_for(lambda: all(r.inflight == 0 for r in reqs), timeout):
+                raise KVTimeout(f"kv: transfers of {request_id or 'all requests'} not done within {timeout:g} s")
+            errors = [e for r in reqs for e in r.errors]
+        if errors:
+            raise TransferFailed(f"kv: {len(errors)} transfer(s) of {request_id or 'the requests'} failed: {errors[0]}")
+
+    def stats(self, request_id: str) -> Dict[str, Any]:
+        """bytes, transfers, busy seconds (union of submit..completion intervals), first submit and
+        last completion (monotonic seconds), whether every target got its flag."""
+        with self._cv:
+            r = self._req(request_id)
+            iv = list(r.intervals)
+            return {"bytes": r.bytes, "transfers": len(iv), "inflight": r.inflight,
+                    "busy_s": union_seconds(iv), "first_submit": r.t_first_submit,
+                    "last_done": max((b for _, b in iv), default=0.0), "intervals": iv,
+                    "flagged": all(t.flagged for t in r.targets) and bool(r.targets), "errors": list(r.errors)}
+
+    def release(self, request_id: str, timeout: Optional[float] = None) -> None:
+        """Flush the request, then give its local blocks back (raises like :meth:`flush`; the blocks
+        are given back either way once nothing is in flight)."""
+        try:
+            self.flush(request_id, timeout)
+        finally:
+            with self._cv:
+                r = self._reqs.get(request_id)
+                if r is not None and r.inflight == 0:
+                    del self._reqs[request_id]
+                    self.pool.blocks.give(r.blocks)
+                    self.pool.aux_slots.give([t.aux_slot for t in r.targets])
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._reaper.join(5)
+        self.pool.close()
