@@ -4,14 +4,23 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, Optional, Tuple
 
+from .layout import BlockMemory, KVLayout
+
 
 @dataclass(frozen=True)
 class Grant:
     """A decode-side slot as the prefill side needs to know it (JSON-able with :meth:`to_dict`).
 
     It travels from the decoder to the prefill instance through whatever the deployment uses to
-    route requests (the demo: a pipe). Addresses are the decoder's; nothing here is a secret the
-    peer could not already read from the region list the engine handshake gives it."""
+    route requests (the demo: a pipe; the vLLM connector: notifies over the hixl link). Addresses are
+    the decoder's; nothing here is a secret the peer could not already read from the region list the
+    engine handshake gives it.
+
+    ``blocks[k]`` holds the request's tokens ``[(first_block + k) * block_tokens, ...)``: a decoder
+    that already holds the first ``first_block`` blocks (a prefix-cache hit) grants only the rest.
+    ``memory`` is the decoder's :class:`BlockMemory` (absent: a :class:`KVPool` of its own, addressed
+    from ``pool_addr`` and ``num_blocks``). ``aux_bytes == 0``: no aux area (the flag rides on the
+    last block write)."""
 
     request_id: str
     decode: str                   # the decoder's engine address
@@ -25,6 +34,8 @@ class Grant:
     aux_bytes: int
     layout: Dict[str, Any] = field(default_factory=dict)
     prefill: Optional[str] = None  # the engine allowed to complete it (None: any)
+    first_block: int = 0
+    memory: Optional[Dict[str, Any]] = None
 
     def to_dict(self) -> Dict[str, Any]:
         d = asdict(self)
@@ -36,3 +47,17 @@ class Grant:
         d = dict(d)
         d["blocks"], d["layers"] = tuple(d["blocks"]), tuple(d["layers"])
         return cls(**d)
+
+    def block_memory(self, layout: KVLayout) -> BlockMemory:
+        """The decoder's addressing of its blocks."""
+        if self.memory is not None:
+            return BlockMemory.from_dict(self.memory)
+        bb = layout.block_bytes
+        return BlockMemory(layer_addrs=tuple(self.pool_addr + layer * 2 * self.num_blocks * bb
+                                             for layer in range(layout.n_layers)),
+                           num_blocks=self.num_blocks, block_stride=bb, unit_bytes=bb, parts=2,
+                           part_stride=self.num_blocks * bb, token_major=True)
+
+    def request_blocks(self) -> Tuple[Optional[int], ...]:
+        """The decoder's block of each request block ``j`` (``None`` below ``first_block``)."""
+        return (None,) * self.first_block + tuple(self.blocks)

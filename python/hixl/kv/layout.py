@@ -4,7 +4,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass
-from typing import Any, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -67,3 +67,125 @@ class KVLayout:
     def for_model(cls, config: Any, dtype: str = "float32", block_tokens: int = 16) -> "KVLayout":
         """From a model config with ``n_layers``, ``n_kv_heads`` and ``head_dim`` attributes."""
         return cls(int(config.n_layers), int(config.n_kv_heads), int(config.head_dim), dtype, block_tokens)
+
+
+_U64 = 2 ** 64
+
+
+@dataclass(frozen=True)
+class BlockMemory:
+    """Where one side's KV blocks live: the addressing a transfer needs, for memory ``hixl.kv``
+    allocated itself (:class:`KVPool`) or memory an inference engine owns (bring your own memory:
+    :meth:`KVPool.wrap`, e.g. vLLM's KV cache tensors).
+
+    The unit of transfer is one block of one layer and one *part*: with ``parts == 2`` K and V sit
+    in blocks of their own (part 0 is K, part 1 is V); with ``parts == 1`` a block holds both (vLLM's
+    CPU cache packs K and V into the last dimension). Unit ``(layer, part, block)`` starts at
+    ``layer_addrs[layer] + part * part_stride + block * block_stride`` and is ``unit_bytes`` long.
+    ``token_major``: a block's first ``t`` tokens are its first ``t * unit_bytes / block_tokens``
+    bytes, so a partly filled last block may be sent short; otherwise (head-major interiors, e.g.
+    vLLM's ``[head][token][dim]``) whole blocks are sent.
+    """
+
+    layer_addrs: Tuple[int, ...]
+    num_blocks: int
+    block_stride: int
+    unit_bytes: int
+    parts: int = 2
+    part_stride: int = 0
+    token_major: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layer_addrs", tuple(int(a) for a in self.layer_addrs))
+        for name in ("num_blocks", "block_stride", "unit_bytes"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"BlockMemory.{name} must be a positive int, not {v!r}")
+        if self.parts not in (1, 2):
+            raise ValueError(f"BlockMemory.parts must be 1 (K and V packed) or 2, not {self.parts!r}")
+        if self.parts == 2 and (not isinstance(self.part_stride, int) or self.part_stride <= 0):
+            raise ValueError(f"BlockMemory.part_stride must be a positive int with parts=2, not {self.part_stride!r}")
+        if not self.layer_addrs or any(a <= 0 or a + self.span > _U64 for a in self.layer_addrs):
+            raise ValueError("BlockMemory.layer_addrs must be non-empty u64 addresses with room for every block")
+        if self.block_stride < self.unit_bytes and self.num_blocks > 1:
+            raise ValueError(f"BlockMemory: blocks overlap (block_stride {self.block_stride} < unit_bytes "
+                             f"{self.unit_bytes})")
+
+    @property
+    def span(self) -> int:
+        """Bytes from a layer's address to the end of its last unit."""
+        return (self.parts - 1) * self.part_stride + (self.num_blocks - 1) * self.block_stride + self.unit_bytes
+
+    def addr(self, layer: int, part: int, block: int) -> int:
+        """The one place a unit's address is computed."""
+        return self.layer_addrs[layer] + part * self.part_stride + block * self.block_stride
+
+    def ranges(self) -> List[Tuple[int, int]]:
+        """The memory the units cover, as merged ``(addr, len)`` ranges (what to register)."""
+        spans = sorted((a, a + self.span) for a in self.layer_addrs)
+        out: List[List[int]] = []
+        for a, b in spans:
+            if out and a <= out[-1][1]:
+                out[-1][1] = max(out[-1][1], b)
+            else:
+                out.append([a, b])
+        return [(a, b - a) for a, b in out]
+
+    def check(self, layout: "KVLayout") -> None:
+        """Raises ValueError when this memory cannot hold ``layout``."""
+        if len(self.layer_addrs) != layout.n_layers:
+            raise ValueError(f"BlockMemory has {len(self.layer_addrs)} layers, the layout {layout.n_layers}")
+        want = layout.block_bytes * (2 // self.parts)
+        if self.unit_bytes != want:
+            raise ValueError(f"BlockMemory.unit_bytes is {self.unit_bytes}, the layout needs {want} "
+                             f"({layout.block_tokens} tokens x {layout.token_bytes} B x {2 // self.parts})")
+
+    def to_dict(self) -> Dict[str, Any]:
+        d = asdict(self)
+        d["layer_addrs"] = list(self.layer_addrs)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "BlockMemory":
+        if not isinstance(d, dict):
+            raise ValueError(f"BlockMemory must be a dict, not {type(d).__name__}")
+        known = {"layer_addrs", "num_blocks", "block_stride", "unit_bytes", "parts", "part_stride", "token_major"}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"BlockMemory: unknown fields {sorted(unknown)}")
+        return cls(**d)
+
+
+def block_descs(layout: KVLayout, local: BlockMemory, local_blocks: Sequence[int], remote: BlockMemory,
+                remote_blocks: Sequence[int], layers: Iterable[int], n_tokens: int,
+                js: Optional[Iterable[int]] = None) -> List[Tuple[int, int, int]]:
+    """``(local, remote, len)`` descriptors moving request blocks ``js`` (default all) of ``layers``:
+    request block ``j`` is ``local_blocks[j]`` here and ``remote_blocks[j]`` there (``None`` entries
+    are not moved). One descriptor per (layer, part, block), adjacent ones merged; a partly filled
+    last block is sent short only when both sides are token-major."""
+    if local.parts != remote.parts:
+        raise ValueError(f"the two sides pack K and V differently ({local.parts} vs {remote.parts} parts per block)")
+    if local.unit_bytes != remote.unit_bytes:
+        raise ValueError(f"the two sides' blocks differ in size ({local.unit_bytes} vs {remote.unit_bytes} B)")
+    nb = layout.blocks_for(n_tokens)
+    js = range(nb) if js is None else sorted(set(js))
+    short = local.token_major and remote.token_major
+    tail = n_tokens - (nb - 1) * layout.block_tokens  # tokens in the last block
+    out: List[List[int]] = []
+    last: Optional[List[int]] = None
+    for layer in layers:
+        for part in range(local.parts):
+            for j in js:
+                lb, rb = local_blocks[j], remote_blocks[j]
+                if lb is None or rb is None:
+                    continue
+                n = local.unit_bytes
+                if short and j == nb - 1:
+                    n = n * tail // layout.block_tokens
+                loc, rem = local.addr(layer, part, lb), remote.addr(layer, part, rb)
+                if last is not None and last[0] + last[2] == loc and last[1] + last[2] == rem:
+                    last[2] += n
+                else:
+                    last = [loc, rem, n]
+                    out.append(last)
+    return [(a, b, n) for a, b, n in out]

@@ -11,7 +11,7 @@ import numpy as np
 from ..engine import Hixl
 from ..types import SUCCESS, MemDesc, MemType
 from .errors import KVError, PoolExhausted
-from .layout import KVLayout
+from .layout import BlockMemory, KVLayout
 
 _PAGE = 4096
 
@@ -53,7 +53,13 @@ class KVPool:
 
     ``memory="acl"`` (default) allocates from :mod:`hixl.acl` (memfd-backed: the shm transport maps
     it and copies with memcpy) and registers it as ``MEM_DEVICE``; ``"host"`` uses a numpy array.
+
+    :meth:`KVPool.wrap` makes a pool over memory somebody else allocated and owns (an inference
+    engine's KV cache) in that owner's layout (:class:`BlockMemory`): it registers it and nothing
+    more; its blocks are handed out by the owner, not by :attr:`blocks`, and it has no aux area.
     """
+
+    external = False
 
     def __init__(self, engine: Hixl, layout: KVLayout, num_blocks: int, *, max_requests: Optional[int] = None,
                  aux_bytes: int = 256, memory: str = "acl"):
@@ -85,9 +91,42 @@ class KVPool:
             err = engine.last_error()
             self._free_memory()
             raise KVError(f"KVPool: register_mem({self.nbytes} bytes) failed: {err}", rc)
+        self._handles = [self._handle]
         self.blocks = _Ids(num_blocks, "blocks")
         self.aux_slots = _Ids(self.max_requests, "aux slots")
+        self.memory = BlockMemory(
+            layer_addrs=tuple(self.addr + self.offset(layer, 0, 0) for layer in range(layout.n_layers)),
+            num_blocks=num_blocks, block_stride=layout.block_bytes, unit_bytes=layout.block_bytes, parts=2,
+            part_stride=num_blocks * layout.block_bytes, token_major=True)
 
+    @classmethod
+    def wrap(cls, engine: Hixl, layout: KVLayout, memory: BlockMemory, *,
+             mem_type: MemType = MemType.MEM_HOST) -> "KVPool":
+        """A pool over memory the caller owns and keeps alive (e.g. vLLM's KV cache tensors), laid
+        out as ``memory`` says. Registers the ranges it covers (adjacent layers merged into one
+        region) with ``engine``; :meth:`close` deregisters them and frees nothing."""
+        memory.check(layout)
+        self = cls.__new__(cls)
+        self.engine, self.layout, self.memory = engine, layout, memory
+        self.num_blocks = memory.num_blocks
+        self.external = True
+        self.max_requests, self.aux_bytes, self.aux_offset = 0, 0, 0
+        self._acl_addr, self._host, self._handle = 0, None, None
+        self.blocks = None  # the owner hands out the blocks
+        self.aux_slots = None
+        self._handles = []
+        ranges = memory.ranges()
+        self.addr, self.nbytes = ranges[0][0], sum(n for _, n in ranges)
+        for a, n in ranges:
+            rc, h = engine.register_mem(MemDesc(a, n), mem_type)
+            if rc != SUCCESS:
+                err = engine.last_error()
+                self.close()
+                raise KVError(f"KVPool.wrap: register_mem(addr=0x{a:x}, len={n}) failed: {err}", rc)
+            self._handles.append(h)
+        self._handle = self._handles[0]
+        self.bytes = np.zeros(0, np.uint8)
+        return self
     # The one place where (layer, K|V, block, token) becomes a byte offset.
     def offset(self, layer: int, kv: int, block: int, token: int = 0) -> int:
         L = self.layout
@@ -98,6 +137,8 @@ class KVPool:
 
     def kv_view(self, layer: int, kv: int) -> np.ndarray:
         """``[num_blocks, block_tokens, n_kv_heads, head_dim]`` view of one (layer, K|V)."""
+        if self.external:
+            raise KVError("KVPool: a wrapped pool's block interior is its owner's layout; use unit()")
         L = self.layout
         o = self.offset(layer, kv, 0)
         raw = self.bytes[o:o + self.num_blocks * L.block_bytes]
@@ -129,9 +170,24 @@ class KVPool:
             v[blocks[b], off:off + n] = data[t - start:t - start + n]
             t += n
 
+    def unit(self, layer: int, part: int, block: int) -> np.ndarray:
+        """The bytes of one transfer unit (a view, no copy); for wrapped memory too."""
+        m = self.memory
+        if not (0 <= layer < len(m.layer_addrs) and 0 <= part < m.parts and 0 <= block < m.num_blocks):
+            raise IndexError(f"unit ({layer}, {part}, {block}) outside the pool")
+        return np.ctypeslib.as_array((ctypes.c_uint8 * m.unit_bytes).from_address(m.addr(layer, part, block)))
+
     def checksum(self, blocks: Sequence[int], n_tokens: int, layers: Tuple[int, int]) -> str:
-        """SHA-256 over the request's K/V bytes (tokens in order, layers ``lo..hi``, K then V)."""
+        """SHA-256 over the request's K/V bytes (tokens in order, layers ``lo..hi``, K then V). For
+        wrapped memory: over its whole blocks, in (layer, part, block) order (what a push sends)."""
         h = hashlib.sha256()
+        if self.external:
+            for layer in range(*layers):
+                for part in range(self.memory.parts):
+                    for j in range(self.layout.blocks_for(n_tokens)):
+                        if blocks[j] is not None:
+                            h.update(self.unit(layer, part, blocks[j]).tobytes())
+            return h.hexdigest()
         for layer in range(*layers):
             for kv in (0, 1):
                 h.update(self.gather(layer, kv, blocks, n_tokens).tobytes())
@@ -145,10 +201,13 @@ class KVPool:
         self._host = None
 
     def close(self) -> None:
-        """Deregisters and frees the memory (the engine must still be initialized to deregister)."""
-        if getattr(self, "_handle", None) is None:
+        """Deregisters and frees the memory (the engine must still be initialized to deregister);
+        wrapped memory is only deregistered."""
+        handles = getattr(self, "_handles", [])
+        if not handles:
             return
-        self.engine.deregister_mem(self._handle)
-        self._handle = None
+        for h in handles:
+            self.engine.deregister_mem(h)
+        self._handles, self._handle = [], None
         self.bytes = np.zeros(0, np.uint8)
         self._free_memory()

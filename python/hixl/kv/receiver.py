@@ -6,36 +6,53 @@ import threading
 import time
 from collections import deque
 from dataclasses import asdict
-from typing import Deque, Dict, List, Optional, Tuple
+from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from ..engine import Hixl
-from ..types import SUCCESS
-from .errors import KVError, KVTimeout, PoolExhausted
+from ..types import ALREADY_CONNECTED, READ, SUCCESS, TransferOpDesc, TransferStatus
+from .errors import KVError, KVTimeout, PoolExhausted, TransferFailed
 from .grant import Grant
-from .layout import KVLayout
+from .layout import KVLayout, block_descs
 from .pool import KVPool, _Ids
 
 _log = logging.getLogger("hixl.kv")
 
 
 class _Slot:
-    __slots__ = ("grant", "aux_slot", "complete", "freed", "t_alloc", "t_done", "peer")
+    __slots__ = ("grant", "aux_slot", "complete", "freed", "t_alloc", "t_done", "peer", "pull", "pull_bytes")
 
-    def __init__(self, grant: Grant, aux_slot: int):
-        self.grant, self.aux_slot = grant, aux_slot
+    def __init__(self, grant: Grant, aux_slot: Optional[int]):
+        self.grant, self.aux_slot = grant, aux_slot  # aux_slot None: the caller owns the blocks (expect())
         self.complete = self.freed = False
         self.t_alloc, self.t_done, self.peer = time.monotonic(), 0.0, ""
+        self.pull = 0  # the engine request of a pull (READ) in flight, 0: none
+        self.pull_bytes = 0
 
 
 class KVReceiver:
-    """Decode side: a registered KV pool carved into request slots, completed by flags."""
+    """Decode side: a registered KV pool carved into request slots, completed by flags.
 
-    def __init__(self, engine: Hixl, layout: KVLayout, num_blocks: int, *, max_requests: Optional[int] = None,
-                 aux_bytes: int = 256, memory: str = "acl"):
+    ``KVReceiver(engine, layout, num_blocks)`` allocates and registers a pool of its own;
+    ``KVReceiver(engine, layout, pool=KVPool.wrap(...))`` works in memory the caller owns (an
+    inference engine's KV cache): :meth:`expect` then makes a slot over blocks the caller allocated.
+    Besides pushes completed by a flag, a slot can be filled by a pull (:meth:`pull`: the decoder
+    READs the prefill's blocks)."""
+
+    def __init__(self, engine: Hixl, layout: KVLayout, num_blocks: Optional[int] = None, *,
+                 max_requests: Optional[int] = None, aux_bytes: int = 256, memory: str = "acl",
+                 pool: Optional[KVPool] = None):
         self.engine, self.layout = engine, layout
-        self.pool = KVPool(engine, layout, num_blocks, max_requests=max_requests, aux_bytes=aux_bytes, memory=memory)
+        if pool is None:
+            if num_blocks is None:
+                raise ValueError("KVReceiver needs num_blocks (a pool of its own) or pool=")
+            pool = KVPool(engine, layout, num_blocks, max_requests=max_requests, aux_bytes=aux_bytes, memory=memory)
+        elif pool.layout != layout:
+            raise ValueError(f"KVReceiver: the pool's layout {pool.layout} is not {layout}")
+        self.pool = pool
+        self._failed: Dict[str, str] = {}  # request id -> why, not yet returned by take_failed()
+        self._pulls: Dict[str, _Slot] = {}  # slots with a pull in flight
         self._cv = threading.Condition()
         self._slots: Dict[str, _Slot] = {}
         self._by_ticket: Dict[int, _Slot] = {}
@@ -54,6 +71,9 @@ class KVReceiver:
         ``timeout``: 0 raises :class:`PoolExhausted` at once when the pool is short; None waits
         without limit; seconds wait that long, then raise. ``prefill``: only flags from this engine
         complete the slot. ``layers``: ``(lo, hi)`` for a layer-sharded decoder (default all)."""
+        if self.pool.external:
+            raise KVError("kv: allocate() hands out blocks of a pool of our own; this pool is wrapped "
+                          "memory whose owner allocates them: use expect()")
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id must be a non-empty str")
         if not isinstance(n_tokens, int) or n_tokens <= 0 or extra_tokens < 0:
@@ -101,6 +121,125 @@ class KVReceiver:
             with self._cv:
                 self._pump_locked(0.05 if left is None else min(0.05, left))
 
+    def expect(self, request_id: str, blocks: Sequence[int], n_tokens: int, *, first_block: int = 0,
+               layers: Optional[Tuple[int, int]] = None, prefill: Optional[str] = None) -> Grant:
+        """A slot over blocks the caller allocated in a wrapped pool (:meth:`KVPool.wrap`):
+        ``blocks[k]`` is to hold the request's block ``first_block + k`` (the first ``first_block``
+        blocks the caller has already, e.g. from a prefix cache). The grant has no aux area.
+
+        The caller owns the blocks: before it reuses those of a slot that failed or was freed
+        before its KV arrived, it must make sure the prefill can no longer write them (its link
+        is gone: ``engine.disconnect``)."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError("request_id must be a non-empty str")
+        if not isinstance(n_tokens, int) or isinstance(n_tokens, bool) or n_tokens <= 0:
+            raise ValueError(f"n_tokens must be a positive int, not {n_tokens!r}")
+        nb = self.layout.blocks_for(n_tokens)
+        blocks = tuple(int(b) for b in blocks)
+        if not isinstance(first_block, int) or not 0 <= first_block < nb or len(blocks) != nb - first_block:
+            raise ValueError(f"{n_tokens} tokens need {nb} blocks: first_block {first_block!r} and "
+                             f"{len(blocks)} blocks given")
+        if any(not 0 <= b < self.pool.num_blocks for b in blocks):
+            raise ValueError(f"blocks {blocks} outside the pool of {self.pool.num_blocks}")
+        lo, hi = layers or (0, self.layout.n_layers)
+        if not 0 <= lo < hi <= self.layout.n_layers:
+            raise ValueError(f"layers {layers!r} outside [0, {self.layout.n_layers})")
+        with self._cv:
+            if request_id in self._slots:
+                raise KVError(f"request {request_id!r} already has a slot")
+            ticket = self._new_ticket_locked()
+            g = Grant(request_id=request_id, decode=self.engine.local_engine, ticket=ticket, blocks=blocks,
+                      n_tokens=n_tokens, layers=(lo, hi), pool_addr=self.pool.addr, num_blocks=self.pool.num_blocks,
+                      aux_addr=0, aux_bytes=0, layout=asdict(self.layout), prefill=prefill, first_block=first_block,
+                      memory=self.pool.memory.to_dict())
+            slot = _Slot(g, None)
+            self._slots[request_id] = slot
+            self._by_ticket[ticket] = slot
+        return g
+
+    def pull(self, request_id: str, source: Union[Grant, Dict[str, Any]], *,
+             timeout_ms: Optional[int] = None) -> int:
+        """Fill the slot by READing the prefill's blocks (pull mode) instead of waiting for a push:
+        ``source`` describes them like a grant (its ``decode`` field is the engine to read from,
+        its ``blocks`` are the prefill's, from request block 0). Non-blocking: the slot completes in
+        :meth:`poll` once the read completed; a failed read shows in :meth:`take_failed`. Returns
+        the bytes requested."""
+        src = source if isinstance(source, Grant) else Grant.from_dict(source)
+        with self._cv:
+            slot = self._slots.get(request_id)
+            if slot is None:
+                raise KVError(f"request {request_id!r} has no slot")
+            if slot.complete or slot.pull:
+                raise KVError(f"request {request_id!r} is already complete or being pulled")
+        g = slot.grant
+        if src.layout != g.layout or src.n_tokens != g.n_tokens:
+            raise KVError(f"kv: pull of {request_id!r}: the source holds {src.n_tokens} tokens in layout "
+                          f"{src.layout}, the slot wants {g.n_tokens} in {g.layout}")
+        remote = src.request_blocks()
+        js = range(g.first_block, self.layout.blocks_for(g.n_tokens))
+        if len(remote) < self.layout.blocks_for(g.n_tokens) or any(remote[j] is None for j in js):
+            raise KVError(f"kv: pull of {request_id!r}: the source lacks blocks {list(js)}")
+        descs = block_descs(self.layout, self.pool.memory, g.request_blocks(), src.block_memory(self.layout),
+                            remote, range(*g.layers), g.n_tokens, js)
+        if self.engine.get_transport(src.decode)[0] != SUCCESS:
+            rc = self.engine.connect(src.decode, 10000 if timeout_ms is None else max(1, int(timeout_ms)))
+            if rc not in (SUCCESS, ALREADY_CONNECTED):
+                raise TransferFailed(f"kv: connect to prefill {src.decode} failed: {self.engine.last_error()}", rc)
+        rc, req = self.engine.transfer_async(src.decode, READ, [TransferOpDesc(a, b, n) for a, b, n in descs],
+                                             timeout_in_millis=timeout_ms)
+        if rc != SUCCESS:
+            raise TransferFailed(f"kv: pull of {request_id!r} from {src.decode} failed: {self.engine.last_error()}", rc)
+        with self._cv:
+            slot.pull, slot.peer = req, src.decode
+            slot.pull_bytes = sum(n for _, _, n in descs)
+            self._pulls[request_id] = slot
+        return slot.pull_bytes
+
+    def fail(self, request_id: str, why: str) -> None:
+        """Ends a slot that will not complete (its prefill died, its time ran out): it is dropped
+        (its ticket retired: a late flag is ignored) and ``why`` shows in :meth:`take_failed`. For
+        a pool of our own the blocks stay quarantined as by :meth:`free`."""
+        with self._cv:
+            slot = self._slots.get(request_id)
+            if slot is None or slot.complete:
+                return
+            self._pulls.pop(request_id, None)
+            self._failed[request_id] = why
+        self.free(request_id)
+
+    def take_failed(self) -> Dict[str, str]:
+        """Slots that failed since the last call (request id -> why); they have no slot any more."""
+        self._reap_pulls()
+        with self._cv:
+            out, self._failed = self._failed, {}
+        return out
+
+    def _reap_pulls(self) -> None:
+        """Ends the pulls whose read ended (non-blocking)."""
+        with self._cv:
+            pulls = list(self._pulls.items())
+        failed = []
+        for rid, slot in pulls:
+            rc, st = self.engine.get_transfer_status(slot.pull)
+            if rc == SUCCESS and st == TransferStatus.WAITING:
+                continue
+            with self._cv:
+                if self._pulls.get(rid) is not slot:
+                    continue  # freed or failed meanwhile
+                del self._pulls[rid]
+                if rc == SUCCESS and st == TransferStatus.COMPLETED:
+                    slot.complete, slot.t_done = True, time.monotonic()
+                    self._completed.append(rid)
+                    self._cv.notify_all()
+                    continue
+                why = (f"pull from {slot.peer} ended {TransferStatus(st).name if rc == SUCCESS else 'unknown'}: "
+                       f"{self.engine.last_error()}")
+                self._failed[rid] = why
+            _log.warning("kv: %s (request %r)", why, rid)
+            failed.append(rid)
+        for rid in failed:
+            self.free(rid)
+
     def _new_ticket_locked(self) -> int:
         while True:
             t = self._next_ticket
@@ -116,6 +255,10 @@ class KVReceiver:
             if slot is None:
                 raise KVError(f"request {request_id!r} has no slot")
             slot.freed = True
+            if not slot.complete and slot.aux_slot is None:  # the caller's blocks: nothing to hold back
+                del self._by_ticket[slot.grant.ticket]  # a late flag is stale now
+                self._pulls.pop(request_id, None)
+                return
             if not slot.complete:
                 self._quarantined += 1
                 _log.info("kv: slot of %r freed before its KV arrived: quarantined until its flag arrives", request_id)
@@ -135,6 +278,8 @@ class KVReceiver:
         self._release(slot)
 
     def _release(self, slot: _Slot) -> None:
+        if slot.aux_slot is None:  # expect(): the blocks are the caller's
+            return
         self.pool.blocks.give(slot.grant.blocks)
         self.pool.aux_slots.give([slot.aux_slot])
 
@@ -189,7 +334,10 @@ class KVReceiver:
         self._dispatch_locked(flags)
 
     def poll(self) -> List[str]:
-        """Request ids whose KV became complete since the last poll()/wait_any(); never blocks."""
+        """Request ids whose KV became complete since the last poll()/wait_any(); never blocks.
+        Pulls are reaped here too (a failed one shows in :meth:`take_failed`)."""
+        if self._pulls:
+            self._reap_pulls()
         rc, flags = self.engine.poll_flags()
         with self._cv:
             self._check(rc, "poll_flags")
@@ -274,7 +422,7 @@ class KVReceiver:
         """Read every byte of the slot once (faults pages in, warms caches); returns their SHA-256
         (the same value as :meth:`KVSender.checksum` on the prefill side)."""
         g = self._grant(request_id)
-        return self.pool.checksum(g.blocks, g.n_tokens, g.layers)
+        return self.pool.checksum(g.request_blocks(), g.n_tokens, g.layers)
 
     def close(self) -> None:
         self.pool.close()

@@ -13,30 +13,41 @@ from ..engine import Hixl
 from ..types import SUCCESS, TransferOpDesc, TransferStatus, WRITE
 from .errors import KVError, KVTimeout, TransferFailed
 from .grant import Grant
-from .layout import KVLayout
+from .layout import BlockMemory, KVLayout, block_descs
 from .pool import KVPool
 
 
 class _Target:
-    __slots__ = ("grant", "pushed", "flagged", "aux_slot")
+    __slots__ = ("grant", "memory", "remote", "js", "pushed", "flagged", "aux_slot")
 
-    def __init__(self, grant: Grant, aux_slot: int):
-        self.grant, self.pushed, self.flagged = grant, set(), False
+    def __init__(self, grant: Grant, memory: BlockMemory, js: range, aux_slot: Optional[int]):
+        self.grant, self.memory, self.js = grant, memory, js
+        self.remote = grant.request_blocks()  # the decoder's block of each request block j
+        self.pushed: set = set()  # (layer, j) pairs sent
+        self.flagged = False
         self.aux_slot = aux_slot  # our staging slot for this target's aux bytes (one per target: an
-        # earlier target's aux transfer may still be reading its slot when a later one is staged)
+        # earlier target's aux transfer may still be reading its slot when a later one is staged);
+        # None: the grant has no aux area (or our pool is wrapped memory without one)
+
+    @property
+    def need(self) -> int:
+        lo, hi = self.grant.layers
+        return (hi - lo) * len(self.js)
 
 
 class _Request:
-    __slots__ = ("blocks", "n_tokens", "aux", "targets", "inflight", "errors", "bytes",
-                 "intervals", "t_first_submit")
+    __slots__ = ("blocks", "n_tokens", "aux", "targets", "inflight", "errors", "bytes", "descs",
+                 "intervals", "t_first_submit", "external")
 
-    def __init__(self, blocks: List[int], n_tokens: int):
+    def __init__(self, blocks: List[int], n_tokens: int, external: bool = False):
         self.blocks, self.n_tokens = blocks, n_tokens
+        self.external = external  # blocks of the caller's (add_request), not of our pool
         self.aux: Optional[bytes] = None
         self.targets: List[_Target] = []
         self.inflight = 0
         self.errors: List[str] = []
         self.bytes = 0
+        self.descs = 0
         self.intervals: List[Tuple[float, float]] = []  # (submitted, completed), monotonic seconds
         self.t_first_submit = 0.0
 
@@ -56,18 +67,29 @@ def union_seconds(intervals: Iterable[Sequence[float]], after: float = float("-i
 class KVSender:
     """Prefill side: local KV blocks per request, pushed layer chunk by layer chunk to decoders.
 
+    ``KVSender(engine, layout, num_blocks)`` allocates and registers a pool of its own
+    (:meth:`allocate`, :meth:`store`); ``KVSender(engine, layout, pool=KVPool.wrap(...))`` pushes
+    blocks of memory the caller owns (:meth:`add_request` names them, e.g. vLLM's block ids).
+
     A reaper thread waits on the submitted transfers (GIL released, in 1 s slices), records when each
     completed and releases in-flight credit; :meth:`push` waits for credit when ``max_inflight``
     transfers are outstanding (backpressure)."""
 
-    def __init__(self, engine: Hixl, layout: KVLayout, num_blocks: int, *, max_requests: Optional[int] = None,
-                 max_targets: int = 8, aux_bytes: int = 256, memory: str = "acl", max_inflight: int = 64,
-                 timeout: float = 60.0):
+    def __init__(self, engine: Hixl, layout: KVLayout, num_blocks: Optional[int] = None, *,
+                 max_requests: Optional[int] = None, max_targets: int = 8, aux_bytes: int = 256,
+                 memory: str = "acl", max_inflight: int = 64, timeout: float = 60.0,
+                 pool: Optional[KVPool] = None):
         """``max_requests`` requests at once (default ``num_blocks``), each sent to at most
         ``max_targets`` decoders on average (each target stages its aux bytes in a slot of its own)."""
         self.engine, self.layout = engine, layout
-        self.pool = KVPool(engine, layout, num_blocks, max_requests=(max_requests or num_blocks) * max_targets,
-                           aux_bytes=aux_bytes, memory=memory)
+        if pool is None:
+            if num_blocks is None:
+                raise ValueError("KVSender needs num_blocks (a pool of its own) or pool=")
+            pool = KVPool(engine, layout, num_blocks, max_requests=(max_requests or num_blocks) * max_targets,
+                          aux_bytes=aux_bytes, memory=memory)
+        elif pool.layout != layout:
+            raise ValueError(f"KVSender: the pool's layout {pool.layout} is not {layout}")
+        self.pool = pool
         self.max_inflight, self.timeout = int(max_inflight), float(timeout)
         self._cv = threading.Condition()
         self._reqs: Dict[str, _Request] = {}
@@ -80,6 +102,9 @@ class KVSender:
     # -- local blocks --------------------------------------------------------------------------
     def allocate(self, request_id: str, n_tokens: int, timeout: Optional[float] = 0.0) -> List[int]:
         """Local blocks for ``n_tokens`` tokens of ``request_id`` (raises :class:`PoolExhausted`)."""
+        if self.pool.external:
+            raise KVError("kv: allocate() hands out blocks of a pool of our own; this pool is wrapped "
+                          "memory whose owner allocates them: use add_request()")
         if not isinstance(n_tokens, int) or n_tokens <= 0:
             raise ValueError(f"n_tokens must be a positive int, not {n_tokens!r}")
         with self._cv:
@@ -89,6 +114,21 @@ class KVSender:
         with self._cv:
             self._reqs[request_id] = _Request(blocks, n_tokens)
         return blocks
+
+    def add_request(self, request_id: str, blocks: Sequence[int], n_tokens: int) -> None:
+        """A request whose KV the caller already holds in ``blocks`` of the pool (request block j
+        is ``blocks[j]``); the sender never gives them back, :meth:`release` only forgets them."""
+        if not isinstance(n_tokens, int) or isinstance(n_tokens, bool) or n_tokens <= 0:
+            raise ValueError(f"n_tokens must be a positive int, not {n_tokens!r}")
+        blocks = [int(b) for b in blocks]
+        if len(blocks) < self.layout.blocks_for(n_tokens):
+            raise ValueError(f"{n_tokens} tokens need {self.layout.blocks_for(n_tokens)} blocks, {len(blocks)} given")
+        if any(not 0 <= b < self.pool.num_blocks for b in blocks):
+            raise ValueError(f"blocks {blocks} outside the pool of {self.pool.num_blocks}")
+        with self._cv:
+            if request_id in self._reqs:
+                raise KVError(f"request {request_id!r} is already on this sender")
+            self._reqs[request_id] = _Request(blocks, n_tokens, external=True)
 
     def _req(self, request_id: str) -> _Request:
         r = self._reqs.get(request_id)
@@ -110,8 +150,8 @@ class KVSender:
 
     # -- targets and pushes ----------------------------------------------------------------------
     def add_target(self, request_id: str, grant: Union[Grant, Dict[str, Any]]) -> None:
-        """Send this request's KV (the grant's layers) to the grant's decoder (connecting to it
-        first when this engine has no link to it yet)."""
+        """Send this request's KV (the grant's layers and blocks) to the grant's decoder (connecting
+        to it first when this engine has no link to it yet)."""
         g = grant if isinstance(grant, Grant) else Grant.from_dict(grant)
         r = self._req(request_id)
         if g.request_id != request_id:
@@ -120,10 +160,21 @@ class KVSender:
             raise KVError(f"grant for {request_id!r} has layout {g.layout}, this sender has {asdict(self.layout)}")
         if g.n_tokens != r.n_tokens:
             raise KVError(f"grant for {request_id!r} is for {g.n_tokens} tokens, the request has {r.n_tokens}")
-        if len(g.blocks) < self.layout.blocks_for(g.n_tokens) or not 0 <= g.layers[0] < g.layers[1] <= self.layout.n_layers:
-            raise KVError(f"grant for {request_id!r} is malformed: {len(g.blocks)} blocks, layers {g.layers}")
-        if any(not 0 <= b < g.num_blocks for b in g.blocks):
-            raise KVError(f"grant for {request_id!r} names blocks outside the decoder's pool of {g.num_blocks}")
+        nb = self.layout.blocks_for(g.n_tokens)
+        if (not isinstance(g.first_block, int) or not 0 <= g.first_block < nb or len(g.blocks) < nb - g.first_block
+                or not 0 <= g.layers[0] < g.layers[1] <= self.layout.n_layers):
+            raise KVError(f"grant for {request_id!r} is malformed: {len(g.blocks)} blocks from block "
+                          f"{g.first_block!r}, layers {g.layers}")
+        try:
+            mem = g.block_memory(self.layout)
+            mem.check(self.layout)
+        except (TypeError, ValueError) as e:
+            raise KVError(f"grant for {request_id!r} has a bad memory description: {e}") from e
+        if mem.parts != self.pool.memory.parts or mem.unit_bytes != self.pool.memory.unit_bytes:
+            raise KVError(f"grant for {request_id!r}: the decoder packs its blocks differently ({mem.parts} parts "
+                          f"of {mem.unit_bytes} B, ours {self.pool.memory.parts} of {self.pool.memory.unit_bytes} B)")
+        if any(not 0 <= b < mem.num_blocks for b in g.blocks):
+            raise KVError(f"grant for {request_id!r} names blocks outside the decoder's pool of {mem.num_blocks}")
         if self.engine.get_transport(g.decode)[0] != SUCCESS:  # not linked yet: connect now
             rc = self.engine.connect(g.decode, int(self.timeout * 1000))
             if rc != SUCCESS:
@@ -132,25 +183,20 @@ class KVSender:
             if any(t.grant.decode == g.decode and max(t.grant.layers[0], g.layers[0]) < min(t.grant.layers[1], g.layers[1])
                    for t in r.targets):
                 raise KVError(f"request {request_id!r} already sends layers overlapping {g.layers} to {g.decode}")
-            r.targets.append(_Target(g, self.pool.aux_slots.take(1, 0.0)[0]))
+            aux_slot = None
+            if g.aux_bytes > 0 and not self.pool.external:
+                aux_slot = self.pool.aux_slots.take(1, 0.0)[0]
+            r.targets.append(_Target(g, mem, range(g.first_block, nb), aux_slot))
 
-    def _descs(self, r: _Request, g: Grant, layers: List[int]) -> List[TransferOpDesc]:
+    def targets(self, request_id: str) -> List[str]:
+        """The decoders this request goes to."""
+        with self._cv:
+            return [t.grant.decode for t in self._req(request_id).targets]
+
+    def _descs(self, r: _Request, t: _Target, layers: List[int], js: Iterable[int]) -> List[TransferOpDesc]:
         """One descriptor per (layer, K|V, block), adjacent ones merged."""
-        L, out = self.layout, []
-        remote_block = lambda layer, kv, b: g.pool_addr + ((layer * 2 + kv) * g.num_blocks + b) * L.block_bytes  # noqa: E731
-        last = None  # [local, remote, len]
-        for layer in layers:
-            for kv in (0, 1):
-                for j in range(L.blocks_for(r.n_tokens)):
-                    n = min(L.block_tokens, r.n_tokens - j * L.block_tokens) * L.token_bytes
-                    loc = self.pool.addr + self.pool.offset(layer, kv, r.blocks[j])
-                    rem = remote_block(layer, kv, g.blocks[j])
-                    if last is not None and last[0] + last[2] == loc and last[1] + last[2] == rem:
-                        last[2] += n
-                    else:
-                        last = [loc, rem, n]
-                        out.append(last)
-        return [TransferOpDesc(a, b, n) for a, b, n in out]
+        return [TransferOpDesc(a, b, n) for a, b, n in
+                block_descs(self.layout, self.pool.memory, r.blocks, t.memory, t.remote, layers, r.n_tokens, js)]
 
     def _set_aux(self, r: _Request, aux: Optional[bytes]) -> None:
         if aux is not None:
@@ -159,61 +205,86 @@ class KVSender:
                 raise ValueError(f"aux is {len(aux)} bytes, at most {self.pool.aux_bytes}")
             r.aux = aux
 
-    def push(self, request_id: str, layers: Union[int, Iterable[int]], *, aux: Optional[bytes] = None,
-             complete: Optional[bool] = None) -> int:
+    def push(self, request_id: str, layers: Union[int, Iterable[int]], *, blocks: Optional[Iterable[int]] = None,
+             aux: Optional[bytes] = None, complete: Optional[bool] = None) -> int:
         """Start moving ``layers`` (already stored) to every target; returns the bytes submitted.
 
+        ``blocks``: the request blocks (indices ``j`` into its block list) to move, default all: a
+        chunked prefill pushes each block once it is full. Each (layer, block) goes to a target
+        once; a target gets those of its grant only.
+
         Non-blocking unless ``max_inflight`` transfers are outstanding (then it waits for credit).
-        With ``complete=None`` the push that completes a target's layers also writes the aux bytes
-        (``aux``, or those given to an earlier push) and carries the completion flag; with
+        With ``complete=None`` the push that completes a target's layers and blocks also writes the
+        aux bytes (``aux``, or those given to an earlier push) and carries the completion flag; with
         ``complete=False`` no flag goes yet: :meth:`complete` sends it later (so the last layers can
-        travel while the first token is still being computed)."""
+        travel while the first token is still being computed); ``complete=True`` flags this push
+        (the caller knows it is the last one)."""
         r = self._req(request_id)
         want = sorted({layers} if isinstance(layers, int) else set(layers))
         if any(not 0 <= x < self.layout.n_layers for x in want):
             raise ValueError(f"layers {want} outside [0, {self.layout.n_layers})")
+        nb = self.layout.blocks_for(r.n_tokens)
+        js_all = range(nb) if blocks is None else sorted(set(blocks))
+        if any(not 0 <= j < nb for j in js_all):
+            raise ValueError(f"blocks {list(js_all)} outside the request's {nb}")
         self._set_aux(r, aux)
         if not r.targets:
             raise KVError(f"request {request_id!r} has no target: add_target() first")
         total = 0
         for t in r.targets:
-            lo, hi = t.grant.layers
-            mine = [x for x in want if lo <= x < hi and x not in t.pushed]
-            if not mine:
+            if t.flagged:
                 continue
-            descs = self._descs(r, t.grant, mine)
-            t.pushed.update(mine)
+            lo, hi = t.grant.layers
+            mine = [x for x in want if lo <= x < hi]
+            js = [j for j in js_all if j in t.js]
+            new = [(x, j) for x in mine for j in js if (x, j) not in t.pushed]
             flag = None
-            if complete is not False and len(t.pushed) == hi - lo:
+            if not new:
+                if complete:
+                    total += self._complete_target(request_id, r, t)
+                continue
+            t.pushed.update(new)
+            new_layers = sorted({x for x, _ in new})
+            new_js = sorted({j for _, j in new})
+            if len(new) == len(new_layers) * len(new_js):
+                descs = self._descs(r, t, new_layers, new_js)
+            else:  # a ragged set: per layer
+                descs = [d for x in new_layers for d in self._descs(r, t, [x], [j for y, j in new if y == x])]
+            if complete or (complete is None and len(t.pushed) == t.need):
                 flag = self._stage_flag(r, t, descs)
-            total += self._submit(request_id, r, t, descs, flag, f"layers {mine}")
+            total += self._submit(request_id, r, t, descs, flag, f"layers {new_layers} blocks {new_js}")
         return total
 
     def complete(self, request_id: str, *, aux: Optional[bytes] = None) -> int:
         """Send the completion flag (with the aux bytes) to every target that has all its layers
         and no flag yet; returns the bytes submitted. Without any aux, one zero byte is written to
-        the target's aux area (a transfer carries the flag)."""
+        the target's aux area (a transfer carries the flag); a target without an aux area gets its
+        last block again (the same bytes) with the flag."""
         r = self._req(request_id)
         self._set_aux(r, aux)
-        missing = {t.grant.decode: sorted(set(range(*t.grant.layers)) - t.pushed) for t in r.targets}
-        missing = {k: v for k, v in missing.items() if v}
+        missing = {t.grant.decode: t.need - len(t.pushed) for t in r.targets if len(t.pushed) < t.need}
         if missing:
-            raise KVError(f"kv: complete({request_id!r}): layers not pushed yet: {missing}")
-        total = 0
-        for t in r.targets:
-            if not t.flagged:
-                descs: List[TransferOpDesc] = []
-                flag = self._stage_flag(r, t, descs)
-                total += self._submit(request_id, r, t, descs, flag, "completion flag")
-        return total
+            raise KVError(f"kv: complete({request_id!r}): (layer, block) pairs not pushed yet: {missing}")
+        return sum(self._complete_target(request_id, r, t) for t in r.targets if not t.flagged)
+
+    def _complete_target(self, request_id: str, r: _Request, t: _Target) -> int:
+        descs: List[TransferOpDesc] = []
+        if t.aux_slot is None:  # no aux area: the flag rides on the last block, sent again
+            lo, hi = t.grant.layers
+            descs = self._descs(r, t, [hi - 1], [t.js[-1]])
+        flag = self._stage_flag(r, t, descs)
+        return self._submit(request_id, r, t, descs, flag, "completion flag")
 
     def _stage_flag(self, r: _Request, t: _Target, descs: List[TransferOpDesc]) -> int:
         """Appends the aux write (staged in the target's own slot) to ``descs``; returns the flag."""
-        aux = r.aux if r.aux is not None else (b"\0" if not descs else None)
-        if aux is not None:
-            a = self.pool.aux_at(t.aux_slot)
-            self.pool.bytes[a:a + len(aux)] = np.frombuffer(aux, np.uint8)
-            descs.append(TransferOpDesc(self.pool.addr + a, t.grant.aux_addr, len(aux)))
+        if t.aux_slot is not None:
+            aux = r.aux if r.aux is not None else (b"\0" if not descs else None)
+            if aux is not None:
+                if len(aux) > t.grant.aux_bytes:
+                    raise ValueError(f"aux is {len(aux)} bytes, the decoder's area {t.grant.aux_bytes}")
+                a = self.pool.aux_at(t.aux_slot)
+                self.pool.bytes[a:a + len(aux)] = np.frombuffer(aux, np.uint8)
+                descs.append(TransferOpDesc(self.pool.addr + a, t.grant.aux_addr, len(aux)))
         t.flagged = True
         return t.grant.ticket
 
@@ -226,6 +297,7 @@ class KVSender:
         if rc != SUCCESS:
             with self._cv:
                 self._inflight -= 1
+                r.errors.append(f"push of {what} to {t.grant.decode} failed: {self.engine.last_error()}")
                 self._cv.notify_all()
             raise TransferFailed(f"kv: push of {request_id!r} {what} to {t.grant.decode} failed: "
                                  f"{self.engine.last_error()}", rc)
@@ -234,6 +306,7 @@ class KVSender:
                 r.t_first_submit = now
             r.inflight += 1
             r.bytes += nbytes
+            r.descs += len(descs)
             self._queue.append((req, request_id, now))
             self._cv.notify_all()
         return nbytes
@@ -295,7 +368,7 @@ class KVSender:
         with self._cv:
             r = self._req(request_id)
             iv = list(r.intervals)
-            return {"bytes": r.bytes, "transfers": len(iv), "inflight": r.inflight,
+            return {"bytes": r.bytes, "descriptors": r.descs, "transfers": len(iv), "inflight": r.inflight,
                     "busy_s": union_seconds(iv), "first_submit": r.t_first_submit,
                     "last_done": max((b for _, b in iv), default=0.0), "intervals": iv,
                     "flagged": all(t.flagged for t in r.targets) and bool(r.targets), "errors": list(r.errors)}
@@ -310,8 +383,11 @@ class KVSender:
                 r = self._reqs.get(request_id)
                 if r is not None and r.inflight == 0:
                     del self._reqs[request_id]
-                    self.pool.blocks.give(r.blocks)
-                    self.pool.aux_slots.give([t.aux_slot for t in r.targets])
+                    if not r.external:
+                        self.pool.blocks.give(r.blocks)
+                    slots = [t.aux_slot for t in r.targets if t.aux_slot is not None]
+                    if slots:
+                        self.pool.aux_slots.give(slots)
 
     def close(self) -> None:
         with self._cv:
