@@ -44,6 +44,7 @@ class KVReceiver:
                  max_requests: Optional[int] = None, aux_bytes: int = 256, memory: str = "acl",
                  pool: Optional[KVPool] = None):
         self.engine, self.layout = engine, layout
+        self._own_pool = pool is None  # a pool passed in is the caller's: close() leaves it open
         if pool is None:
             if num_blocks is None:
                 raise ValueError("KVReceiver needs num_blocks (a pool of its own) or pool=")
@@ -425,4 +426,5 @@ class KVReceiver:
         return self.pool.checksum(g.request_blocks(), g.n_tokens, g.layers)
 
     def close(self) -> None:
-        self.pool.close()
+        if self._own_pool:
+            self.pool.close()

@@ -82,6 +82,7 @@ class KVSender:
         """``max_requests`` requests at once (default ``num_blocks``), each sent to at most
         ``max_targets`` decoders on average (each target stages its aux bytes in a slot of its own)."""
         self.engine, self.layout = engine, layout
+        self._own_pool = pool is None  # a pool passed in is the caller's: close() leaves it open
         if pool is None:
             if num_blocks is None:
                 raise ValueError("KVSender needs num_blocks (a pool of its own) or pool=")
@@ -115,20 +116,37 @@ class KVSender:
             self._reqs[request_id] = _Request(blocks, n_tokens)
         return blocks
 
-    def add_request(self, request_id: str, blocks: Sequence[int], n_tokens: int) -> None:
+    def add_request(self, request_id: str, blocks: Sequence[int], n_tokens: int, *, partial: bool = False) -> None:
         """A request whose KV the caller already holds in ``blocks`` of the pool (request block j
-        is ``blocks[j]``); the sender never gives them back, :meth:`release` only forgets them."""
+        is ``blocks[j]``); the sender never gives them back, :meth:`release` only forgets them.
+        ``partial``: fewer blocks than ``n_tokens`` need so far (a chunked prefill allocates them
+        as it goes: :meth:`set_blocks` names more; a push of a block not named yet is refused)."""
         if not isinstance(n_tokens, int) or isinstance(n_tokens, bool) or n_tokens <= 0:
             raise ValueError(f"n_tokens must be a positive int, not {n_tokens!r}")
-        blocks = [int(b) for b in blocks]
-        if len(blocks) < self.layout.blocks_for(n_tokens):
-            raise ValueError(f"{n_tokens} tokens need {self.layout.blocks_for(n_tokens)} blocks, {len(blocks)} given")
-        if any(not 0 <= b < self.pool.num_blocks for b in blocks):
-            raise ValueError(f"blocks {blocks} outside the pool of {self.pool.num_blocks}")
+        blocks = self._check_blocks(blocks, n_tokens, partial)
         with self._cv:
             if request_id in self._reqs:
                 raise KVError(f"request {request_id!r} is already on this sender")
             self._reqs[request_id] = _Request(blocks, n_tokens, external=True)
+
+    def set_blocks(self, request_id: str, blocks: Sequence[int], *, partial: bool = False) -> None:
+        """The request's blocks as known now (an :meth:`add_request` request; those named before
+        must not change)."""
+        r = self._req(request_id)
+        blocks = self._check_blocks(blocks, r.n_tokens, partial)
+        with self._cv:
+            if not r.external or blocks[:len(r.blocks)] != r.blocks[:len(blocks)]:
+                raise KVError(f"request {request_id!r}: its blocks cannot change ({r.blocks} -> {blocks})")
+            r.blocks = blocks
+
+    def _check_blocks(self, blocks: Sequence[int], n_tokens: int, partial: bool) -> List[int]:
+        blocks = [int(b) for b in blocks]
+        need = self.layout.blocks_for(n_tokens)
+        if len(blocks) > need or (len(blocks) < need and not partial):
+            raise ValueError(f"{n_tokens} tokens need {need} blocks, {len(blocks)} given")
+        if any(not 0 <= b < self.pool.num_blocks for b in blocks):
+            raise ValueError(f"blocks {blocks} outside the pool of {self.pool.num_blocks}")
+        return blocks
 
     def _req(self, request_id: str) -> _Request:
         r = self._reqs.get(request_id)
@@ -223,10 +241,10 @@ class KVSender:
         want = sorted({layers} if isinstance(layers, int) else set(layers))
         if any(not 0 <= x < self.layout.n_layers for x in want):
             raise ValueError(f"layers {want} outside [0, {self.layout.n_layers})")
-        nb = self.layout.blocks_for(r.n_tokens)
+        nb = len(r.blocks)
         js_all = range(nb) if blocks is None else sorted(set(blocks))
         if any(not 0 <= j < nb for j in js_all):
-            raise ValueError(f"blocks {list(js_all)} outside the request's {nb}")
+            raise ValueError(f"blocks {list(js_all)} outside the request's {nb} known blocks")
         self._set_aux(r, aux)
         if not r.targets:
             raise KVError(f"request {request_id!r} has no target: add_target() first")
@@ -394,4 +412,5 @@ class KVSender:
             self._closed = True
             self._cv.notify_all()
         self._reaper.join(5)
-        self.pool.close()
+        if self._own_pool:
+            self.pool.close()

@@ -1,0 +1,347 @@
+"""The prefill part of the worker: push each layer's complete blocks into the decoder's blocks while the
+forward pass goes on (:meth:`Producer.layer_done` is called by vLLM's ``save_kv_layer`` hook right after
+the attention layer wrote them), with the completion flag on the last write.
+
+A request's decoder *grant* (its block ids, from the decoder over the hixl link) may come before the
+prefill starts, during it (the layers already computed are sent at once, then the rest as computed)
+or after it (the whole request is sent from the blocks vLLM holds for us: the fallback). Which thread
+pushes is decided under one lock: the forward thread while the request is being computed, the inbox
+thread once it was (``attached`` is claimed by exactly one of them). Nothing here ever waits on the
+decoder: a push only posts (the engine copies or the NIC writes), bounded by ``max_inflight``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
+
+from .. import kv
+from .metadata import HixlConnectorMetadata, SendStep
+
+if TYPE_CHECKING:
+    from .worker import HixlWorker
+
+_log = logging.getLogger("hixl.vllm")
+_MAX_REMEMBERED = 4096  # transfer ids remembered as expired/cancelled (late grants get an abort)
+
+
+class _Send:
+    __slots__ = ("rid", "tid", "n_tokens", "blocks", "grant", "attached", "dead", "phase", "step", "done_upto",
+                 "t_start", "t_computed", "t_finished", "released", "cancel", "added", "stale", "aborted_sent",
+                 "busy")
+
+    def __init__(self, rid: str, tid: str, n_tokens: int):
+        self.rid, self.tid, self.n_tokens = rid, tid, n_tokens
+        self.blocks: List[int] = []
+        self.grant: Optional[kv.Grant] = None
+        self.attached = False       # a target was added (by exactly one thread)
+        self.dead: Optional[str] = None  # why nothing more is sent
+        self.phase = "computing"    # computing -> computed (prompt done) ; finished is t_finished
+        self.step: Optional[SendStep] = None
+        self.done_upto = 0          # request blocks complete before the current step
+        self.t_start = time.monotonic()
+        self.t_computed = 0.0
+        self.t_finished = 0.0       # vLLM finished the request (its blocks are held for us)
+        self.released = False       # pull: the decoder read them
+        self.cancel: Optional[str] = None  # the decoder cancelled (peer to confirm to)
+        self.added = False          # known to the KVSender
+        self.stale = False          # vLLM added blocks the KVSender does not know yet
+        self.busy = False           # the inbox thread is pushing it (finished() leaves it alone)
+        self.aborted_sent = False
+
+
+class Producer:
+    def __init__(self, w: "HixlWorker"):
+        self.w = w
+        self.tx = kv.KVSender(w.engine, w.layout, pool=w.pool, max_inflight=w.config.max_inflight,
+                              timeout=w.config.timeout_s)
+        self._lock = threading.Lock()
+        self._sends: Dict[str, _Send] = {}         # by vLLM request id
+        self._by_tid: Dict[str, _Send] = {}
+        self._grants: "OrderedDict[str, tuple]" = OrderedDict()  # tid -> (grant, arrived) not claimed yet
+        self._gone: "OrderedDict[str, str]" = OrderedDict()  # tid -> why (expired, cancelled, failed)
+        self._held: Dict[str, str] = {}            # finished ids vLLM holds blocks of for us
+        self._step: List[_Send] = []
+        self.step_active = False
+
+    # -- per step (forward thread) ---------------------------------------------------------------
+    def begin_step(self, meta: HixlConnectorMetadata) -> None:
+        with self._lock:
+            self._held.update(meta.held)
+            for rid, st in meta.sends.items():
+                s = self._sends.get(rid)
+                if s is None:
+                    s = _Send(rid, st.transfer_id, st.n_tokens)
+                    self._sends[rid] = s
+                    if st.transfer_id in self._by_tid:
+                        s.dead = f"transfer id {st.transfer_id} is already in use by another request"
+                    else:
+                        self._by_tid[st.transfer_id] = s
+                    why = self._gone.get(st.transfer_id)
+                    if why:
+                        s.dead = why
+                    g = self._grants.pop(st.transfer_id, None)
+                    if g is not None:
+                        s.grant = g[0]
+                if st.blocks != s.blocks:
+                    s.blocks, s.stale = list(st.blocks), s.added
+                s.step = st
+                if s.dead is None:
+                    self._step.append(s)
+        self.step_active = bool(self._step)
+
+    def layer_done(self, layer: int) -> None:
+        """vLLM's ``save_kv_layer``: ``layer`` of this step is in the KV cache."""
+        last = layer == self.w.layout.n_layers - 1
+        for s in self._step:
+            if s.dead:
+                continue
+            if not s.attached:
+                with self._lock:
+                    if s.grant is None or s.attached:
+                        continue
+                    s.attached = True
+                # the grant came now: what was computed before goes first
+                if not self._attach(s, [(range(self.w.layout.n_layers), range(0, s.done_upto)),
+                                        (range(0, layer), range(s.step.lo, s.step.hi))], False):
+                    continue
+            js = range(s.step.lo, s.step.hi)
+            complete = s.step.final and last
+            if js or complete:
+                self._push(s, [layer], js, complete)
+
+    def end_step(self) -> None:
+        now = time.monotonic()
+        whole = []
+        with self._lock:
+            for s in self._step:
+                s.done_upto = s.step.hi
+                if s.step.final:
+                    s.phase, s.t_computed = "computed", now
+                    if s.grant is not None and not s.attached and not s.dead:
+                        s.attached = True  # the grant came after the last layer: everything now
+                        whole.append(s)
+                s.step = None
+            self._step = []
+        self.step_active = False
+        for s in whole:
+            self._attach(s, [(range(self.w.layout.n_layers), range(0, s.done_upto))], True)
+
+    # -- pushes --------------------------------------------------------------------------------
+    def _attach(self, s: _Send, pushes: list, complete: bool) -> bool:
+        """Adds the grant's decoder as the request's target and pushes ``(layers, blocks)`` pairs (the
+        last one flagged when ``complete``). False (and the request dead) on failure."""
+        g = s.grant
+        try:
+            if not self.w.linked(g.decode):
+                raise kv.TransferFailed(f"no link to the decoder {g.decode} (it went away)")
+            if not s.added:
+                self.tx.add_request(s.tid, s.blocks, s.n_tokens, partial=True)
+                s.added, s.stale = True, False
+            self.tx.add_target(s.tid, g)
+        except (kv.KVError, ValueError) as e:
+            self._fail(s, f"the decoder's grant cannot be served: {e}")
+            return False
+        todo = [(ls, js) for ls, js in pushes if len(ls) and len(js)]
+        for i, (ls, js) in enumerate(todo):
+            if not self._push(s, ls, js, complete and i == len(todo) - 1):
+                return False
+        if complete and not todo:
+            return self._push(s, [self.w.layout.n_layers - 1], range(0, 0), True)
+        return True
+
+    def _push(self, s: _Send, layers, js, complete: bool) -> bool:
+        try:
+            if s.stale:
+                self.tx.set_blocks(s.tid, s.blocks, partial=True)
+                s.stale = False
+            self.tx.push(s.tid, layers, blocks=js, complete=True if complete else False)
+            return True
+        except (kv.KVError, ValueError) as e:
+            self._fail(s, f"push failed: {e}")
+            return False
+
+    def _fail(self, s: _Send, why: str) -> None:
+        _log.warning("hixl.vllm: transfer %s (request %s): %s", s.tid, s.rid, why)
+        s.dead = s.dead or why
+        self.w.stats.failed("send")
+
+    # -- messages (inbox thread) -----------------------------------------------------------------
+    def on_grant(self, tid: str, d: Dict[str, Any]) -> None:
+        try:
+            g = kv.Grant.from_dict(d["grant"])
+            interior = d.get("interior")
+        except (KeyError, TypeError, ValueError) as e:
+            decode = d.get("grant", {}).get("decode") if isinstance(d.get("grant"), dict) else None
+            _log.warning("hixl.vllm: malformed grant for %s from %s: %s", tid, decode, e)
+            if isinstance(decode, str):
+                self.w.post(decode, "abort", tid, f"malformed grant: {e}")
+            return
+        if interior != self.w.interior:
+            self.w.post(g.decode, "abort", tid, f"the prefill's KV blocks are {self.w.interior}, the decoder's "
+                                                f"{interior}: they cannot be copied as they are")
+            return
+        whole = None
+        with self._lock:
+            why = self._gone.get(tid)
+            s = self._by_tid.get(tid)
+            if why is None and s is not None and s.dead:
+                why = s.dead
+            if why is not None:
+                pass
+            elif s is None:
+                self._grants[tid] = (g, time.monotonic())
+                while len(self._grants) > _MAX_REMEMBERED:
+                    old_tid, (old, _) = self._grants.popitem(last=False)
+                    self.w.post(old.decode, "abort", old_tid, "too many grants for requests the prefill never saw")
+            elif s.grant is not None:
+                _log.warning("hixl.vllm: a second grant for %s from %s: ignored", tid, g.decode)
+            else:
+                s.grant = g
+                if s.phase == "computed" and not s.attached:
+                    s.attached, s.busy, whole = True, True, s
+        if why is not None:
+            self.w.post(g.decode, "abort", tid, why)
+        elif whole is not None:
+            try:
+                self._attach(whole, [(range(self.w.layout.n_layers), range(0, whole.done_upto))], True)
+            finally:
+                with self._lock:
+                    whole.busy = False
+
+    def on_cancel(self, tid: str, msg: str) -> None:
+        """The decoder gave up on ``tid``: nothing more is sent, and once no write of it is in flight
+        the decoder hears ``cancelled`` (at once when we never saw it, or never got its grant)."""
+        try:
+            d = json.loads(msg)
+            decode, why = d["decode"], str(d.get("why", ""))
+        except (ValueError, KeyError, TypeError):
+            _log.warning("hixl.vllm: malformed cancel for %s: %r", tid, msg[:200])
+            return
+        with self._lock:
+            self._grants.pop(tid, None)
+            s = self._by_tid.get(tid)
+            reason = f"cancelled by the decoder ({why})"
+            if s is None:
+                self._remember(tid, reason)
+            else:
+                s.dead = s.dead or reason
+                s.cancel = decode
+        _log.info("hixl.vllm: transfer %s cancelled by the decoder: %s", tid, why)
+        if s is None:
+            self.w.post(decode, "cancelled", tid)
+
+    def on_release(self, tid: str, msg: str) -> None:
+        with self._lock:
+            s = self._by_tid.get(tid)
+            if s is not None:
+                s.released = True
+
+    def _remember(self, tid: str, why: str) -> None:
+        self._gone[tid] = why
+        while len(self._gone) > _MAX_REMEMBERED:
+            self._gone.popitem(last=False)
+
+    def needs_ticks(self) -> bool:
+        return any(s.cancel for s in self._sends.values()) or bool(self._grants)
+
+    def tick(self) -> None:
+        """Inbox thread, each wake-up: confirm cancels whose writes are over; drop unclaimed grants
+        past the lease (the decoder hears why)."""
+        now = time.monotonic()
+        confirm, stale = [], []
+        with self._lock:
+            for s in self._sends.values():
+                if s.cancel and (not s.added or self.tx.stats(s.tid)["inflight"] == 0):
+                    confirm.append((s.cancel, s.tid))
+                    s.cancel = None
+            while self._grants:
+                tid, (g, t) = next(iter(self._grants.items()))
+                if now - t <= self.w.config.lease_s:
+                    break
+                self._grants.popitem(last=False)
+                self._remember(tid, "expired")
+                stale.append((g.decode, tid))
+        for peer, tid in confirm:
+            self.w.post(peer, "cancelled", tid)
+        for peer, tid in stale:
+            self.w.post(peer, "abort", tid, f"the prefill saw no request with this transfer id within the lease "
+                                            f"({self.w.config.lease_s:g} s)")
+
+    # -- the end of a request (forward thread, get_finished) --------------------------------------
+    def finished(self, finished_req_ids: set) -> set:
+        """Requests whose held blocks vLLM may free now."""
+        now = time.monotonic()
+        out = set()
+        with self._lock:
+            for rid in finished_req_ids:
+                s = self._sends.get(rid)
+                if s is not None and not s.t_finished:
+                    s.t_finished = now
+                    if s.phase == "computing":
+                        s.dead = s.dead or "the prefill request ended before its prompt was computed"
+                elif s is None and rid in self._held:  # held, but never computed here
+                    del self._held[rid]
+                    out.add(rid)
+            ends = []
+            for rid, s in self._sends.items():
+                if not s.t_finished or s.busy:
+                    continue
+                inflight = self.tx.stats(s.tid)["inflight"] if s.added else 0
+                if inflight:
+                    continue
+                why = self._outcome(s, now)
+                if why is not False:
+                    ends.append((s, why))
+            for s, why in ends:
+                del self._sends[s.rid]
+                self._by_tid.pop(s.tid, None)
+                self._held.pop(s.rid, None)
+                out.add(s.rid)
+                if why:
+                    self._remember(s.tid, why)
+        for s, why in ends:
+            self._end(s, why, now)
+        return out
+
+    def _outcome(self, s: _Send, now: float):
+        """False: not over yet; None: delivered; str: why it was not."""
+        if s.dead:
+            return s.dead if not s.cancel else False  # a cancel is confirmed first (tick)
+        if s.attached and s.added:
+            st = self.tx.stats(s.tid)
+            if st["errors"]:
+                return f"transfer failed: {st['errors'][0]}"
+            return None if st["flagged"] else False
+        if s.released:
+            return None
+        if now - s.t_finished > self.w.config.lease_s:
+            return f"expired: no grant (push) or read (pull) from a decoder within the lease ({self.w.config.lease_s:g} s)"
+        return False
+
+    def _end(self, s: _Send, why: Optional[str], now: float) -> None:
+        st = self.tx.stats(s.tid) if s.added else None
+        if st is not None:
+            busy = kv.union_seconds(st["intervals"])
+            hidden = kv.union_seconds([(a, min(b, s.t_computed)) for a, b in st["intervals"] if a < s.t_computed]) \
+                if s.t_computed else 0.0
+            self.w.stats.sent(st["bytes"], st["descriptors"], st["transfers"], busy, busy - hidden,
+                              ok=why is None)
+        if why is not None:
+            if "expired" in why:
+                self.w.stats.expired()
+            if s.grant is not None and not s.aborted_sent and "cancelled by the decoder" not in why:
+                s.aborted_sent = True
+                self.w.post(s.grant.decode, "abort", s.tid, why)
+            _log.info("hixl.vllm: transfer %s (request %s) ended without delivery: %s", s.tid, s.rid, why)
+        if s.added:
+            try:
+                self.tx.release(s.tid, timeout=0)
+            except kv.KVError as e:
+                _log.info("hixl.vllm: releasing %s: %s", s.rid, e)
+
+    def close(self) -> None:
+        self.tx.close()

@@ -1,0 +1,282 @@
+"""The worker side of :class:`hixl.vllm.HixlConnector` (runs in vLLM's worker process, beside the model).
+
+It owns a hixl engine (listening on ``host:port``), registers vLLM's own KV cache tensors with it as
+they are (:meth:`hixl.kv.KVPool.wrap`: no staging pool, no copy), and runs two small threads that
+block (never spin): the *inbox* waits for notifies from peers (grants, cancels, releases, aborts) and
+the *jobs* thread does what may wait on a peer (connect, send a notify, start a pull) so that the
+forward pass never waits on the network. The prefill part is :class:`~hixl.vllm.producer.Producer`,
+the decode part :class:`~hixl.vllm.consumer.Consumer`; an instance with ``kv_both`` has both.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from .. import kv
+from ..engine import Hixl
+from ..types import ALREADY_CONNECTED, SUCCESS, NotifyDesc
+from . import messages
+from .config import ConnectorConfig
+from .consumer import Consumer
+from .metadata import HixlConnectorMetadata, HixlHandshake
+from .producer import Producer
+from .stats import Recorder
+
+_log = logging.getLogger("hixl.vllm")
+
+_DTYPES = {"torch.float32": "float32", "torch.float16": "float16", "torch.bfloat16": "bfloat16",
+           "torch.float8_e4m3fn": "float8", "torch.float8_e5m2": "float8", "torch.uint8": "uint8",
+           "torch.int8": "int8"}
+
+
+def describe_kv_caches(kv_caches: Dict[str, Any], names: List[str], num_blocks: int, block_size: int,
+                       num_kv_heads: int, head_size: int) -> Tuple[kv.KVLayout, kv.BlockMemory, str]:
+    """vLLM's per-layer KV cache tensors as a :class:`hixl.kv.KVLayout`, a :class:`hixl.kv.BlockMemory`
+    (where each layer's blocks are) and a string naming the block interior (both ends must agree).
+
+    Known shapes (each block's bytes contiguous): ``[blocks, heads, tokens, 2 * head]`` (the CPU
+    backend: K and V packed in one block, one unit per (layer, block)); ``[2, blocks, ...]`` and
+    ``[blocks, 2, ...]`` (K and V in blocks of their own). Blocks always move whole."""
+    t = kv_caches[names[0]]
+    dtype = _DTYPES.get(str(t.dtype))
+    if dtype is None:
+        raise NotImplementedError(f"HixlConnector: KV cache dtype {t.dtype} is not supported")
+    layout = kv.KVLayout(n_layers=len(names), n_kv_heads=num_kv_heads, head_dim=head_size, dtype=dtype,
+                         block_tokens=block_size)
+    isz = t.element_size()
+    shape, stride = tuple(t.shape), tuple(t.stride())
+    for n in names:
+        o = kv_caches[n]
+        if tuple(o.shape) != shape or tuple(o.stride()) != stride or o.dtype != t.dtype:
+            raise NotImplementedError(f"HixlConnector: layer {n} has a KV cache of shape {tuple(o.shape)}, stride "
+                                      f"{tuple(o.stride())}, {o.dtype}; layer {names[0]} has {shape}, {stride}, "
+                                      f"{t.dtype}")
+    block = layout.block_bytes  # one of K or V
+    if len(shape) >= 2 and shape[0] == num_blocks and t[0].is_contiguous() and t[0].nbytes == 2 * block:
+        parts, part_stride, block_stride, unit = 1, 0, stride[0] * isz, 2 * block
+        interior = f"packed{shape[1:]}"
+    elif len(shape) >= 3 and shape[0] == 2 and shape[1] == num_blocks and t[0, 0].is_contiguous() \
+            and t[0, 0].nbytes == block:
+        parts, part_stride, block_stride, unit = 2, stride[0] * isz, stride[1] * isz, block
+        interior = f"kv-outer{shape[2:]}"
+    elif len(shape) >= 3 and shape[0] == num_blocks and shape[1] == 2 and t[0, 0].is_contiguous() \
+            and t[0, 0].nbytes == block:
+        parts, part_stride, block_stride, unit = 2, stride[1] * isz, stride[0] * isz, block
+        interior = f"kv-inner{shape[2:]}"
+    else:
+        raise NotImplementedError(f"HixlConnector: a KV cache of shape {shape} and stride {stride} "
+                                  f"({num_blocks} blocks of {block_size} tokens, {num_kv_heads} heads of "
+                                  f"{head_size}) is not a layout it knows")
+    memory = kv.BlockMemory(layer_addrs=tuple(kv_caches[n].data_ptr() for n in names), num_blocks=num_blocks,
+                            block_stride=block_stride, unit_bytes=unit, parts=parts, part_stride=part_stride,
+                            token_major=False)
+    return layout, memory, f"{dtype}:{interior}"
+
+
+class HixlWorker:
+    def __init__(self, config: ConnectorConfig, role: str, engine_id: str, num_blocks: int, block_size: int,
+                 num_kv_heads: int, head_size: int, rank: int = 0):
+        self.config, self.role, self.engine_id, self.rank = config, role, engine_id, rank
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.num_kv_heads, self.head_size = num_kv_heads, head_size
+        self.engine: Optional[Hixl] = None
+        self.layer_index: Dict[str, int] = {}
+        self.stats = Recorder()
+        self._jobs: "queue.Queue[Optional[Callable[[], None]]]" = queue.Queue()
+        self._stop = threading.Event()
+        self._threads: List[threading.Thread] = []
+        self.producer: Optional[Producer] = None
+        self.consumer: Optional[Consumer] = None
+        self._meta: Optional[HixlConnectorMetadata] = None
+
+    # -- start-up ------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: Dict[str, Any]) -> None:
+        from vllm.model_executor.models.utils import extract_layer_index
+        from vllm.utils.network_utils import get_ip
+
+        names = sorted(kv_caches, key=extract_layer_index)
+        self.layer_index = {n: i for i, n in enumerate(names)}
+        self.layout, memory, self.interior = describe_kv_caches(
+            kv_caches, names, self.num_blocks, self.block_size, self.num_kv_heads, self.head_size)
+        host = self.config.host or get_ip()
+        port = self.config.port + self.rank if self.config.port else 0
+        addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self.engine = Hixl()
+        opts = {} if self.config.transport == "auto" else {"HixlTransport": self.config.transport}
+        rc = self.engine.initialize(addr, opts)
+        if rc != SUCCESS:
+            raise RuntimeError(f"HixlConnector: hixl engine initialize({addr!r}, {opts}) failed: "
+                               f"{self.engine.last_error()}")
+        try:
+            self.pool = kv.KVPool.wrap(self.engine, self.layout, memory)
+        except kv.KVError as e:
+            self.engine.finalize()
+            raise RuntimeError(f"HixlConnector: registering vLLM's KV cache ({memory.ranges()}) failed: {e}") from e
+        if self.role != "kv_consumer":
+            self.producer = Producer(self)
+        if self.role != "kv_producer":
+            self.consumer = Consumer(self)
+        for name, fn in (("hixl-vllm-inbox", self._inbox_loop), ("hixl-vllm-jobs", self._jobs_loop)):
+            th = threading.Thread(target=fn, name=name, daemon=True)
+            th.start()
+            self._threads.append(th)
+        _log.info("hixl.vllm: %s worker engine %s (transports %s), %d layers x %d blocks of %d B registered in "
+                  "place (%s), mode %s", self.role, self.engine.local_engine, self.engine._engine.data_transport,
+                  len(names), self.num_blocks, memory.unit_bytes, self.interior, self.config.mode)
+
+    def handshake(self) -> HixlHandshake:
+        assert self.engine is not None
+        return HixlHandshake(engine=self.engine.local_engine, memory=self.pool.memory.to_dict(),
+                             layout=dict(vars(self.layout)))
+
+    # -- the peer side: notifies, jobs ---------------------------------------------------------
+    def submit(self, job: Callable[[], None]) -> None:
+        """Runs ``job`` on the jobs thread (in order)."""
+        self._jobs.put(job)
+
+    def linked(self, peer: str) -> bool:
+        return self.engine is not None and self.engine.get_transport(peer)[0] == SUCCESS
+
+    def ensure_link(self, peer: str) -> None:
+        """Connects to ``peer`` unless linked (jobs thread only: it may wait ``connect_timeout_ms``)."""
+        if self.linked(peer):
+            return
+        rc = self.engine.connect(peer, self.config.connect_timeout_ms)
+        if rc not in (SUCCESS, ALREADY_CONNECTED):
+            raise ConnectionError(f"hixl connect to {peer} failed: {self.engine.last_error()}")
+
+    def send(self, peer: str, kind: str, tid: str, payload: str = "", connect: bool = True) -> None:
+        """Sends a message of :mod:`hixl.vllm.messages` (jobs thread only). Raises ConnectionError."""
+        if connect:
+            self.ensure_link(peer)
+        for name, msg in messages.encode(kind, tid, payload):
+            rc = self.engine.send_notify(peer, NotifyDesc(name=name, notify_msg=msg),
+                                         self.config.connect_timeout_ms)
+            if rc != SUCCESS:
+                raise ConnectionError(f"hixl send_notify({peer}, {name}) failed: {self.engine.last_error()}")
+
+    def post(self, peer: str, kind: str, tid: str, payload: str = "") -> None:
+        """:meth:`send` on the jobs thread, best effort (a failure is logged)."""
+        def job() -> None:
+            try:
+                self.send(peer, kind, tid, payload, connect=False)
+            except (ConnectionError, ValueError) as e:
+                _log.info("hixl.vllm: %s of %s to %s not delivered: %s", kind, tid, peer, e)
+        self.submit(job)
+
+    def _jobs_loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                job()
+            except Exception:  # a job reports its own failures; this is a bug
+                _log.exception("hixl.vllm: job failed")
+
+    def _inbox_loop(self) -> None:
+        reassembler = messages.Reassembler(ttl_s=max(60.0, self.config.lease_s))
+        while not self._stop.is_set():
+            busy = (self.producer is not None and self.producer.needs_ticks())
+            rc, notes = self.engine.wait_notifies(50 if busy else 1000)
+            if rc != SUCCESS:
+                if self._stop.is_set():
+                    return
+                _log.warning("hixl.vllm: wait_notifies failed: %s", self.engine.last_error())
+                time.sleep(0.1)
+                continue
+            for n in notes:
+                self._dispatch(reassembler, n.name, n.notify_msg)
+            if self.producer is not None:
+                self.producer.tick()
+
+    def _dispatch(self, reassembler: messages.Reassembler, name: str, msg: str) -> None:
+        what = messages.decode_name(name)
+        if what is None:
+            _log.info("hixl.vllm: notify %r is not ours: ignored", name[:80])
+            return
+        kind, tid, i, n = what
+        if kind == "grant":
+            try:
+                d = reassembler.add(tid, i, n, msg)
+            except ValueError as e:
+                _log.warning("hixl.vllm: %s", e)
+                return
+            if d is None:
+                return
+            if self.producer is None:
+                _log.warning("hixl.vllm: grant for %s reached a kv_consumer instance: ignored", tid)
+                return
+            self.producer.on_grant(tid, d)
+        elif kind in ("cancel", "release"):
+            if self.producer is not None:
+                self.producer.on_cancel(tid, msg) if kind == "cancel" else self.producer.on_release(tid, msg)
+        elif kind in ("cancelled", "abort"):
+            if self.consumer is not None:
+                self.consumer.on_peer_message(kind, tid, msg)
+
+    # -- per step ------------------------------------------------------------------------------
+    # Each hook below is vLLM's forward thread: a bug in it is logged, never raised into the step (the
+    # requests involved then fail through their timeouts, the instance keeps serving).
+    def bind(self, meta: HixlConnectorMetadata) -> None:
+        self._meta = meta
+        try:
+            if self.consumer is not None and (meta.loads or meta.cancels):
+                self.consumer.start(meta)
+            if self.producer is not None and (meta.sends or meta.held):
+                self.producer.begin_step(meta)
+        except Exception:
+            _log.exception("hixl.vllm: bind_connector_metadata")
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        if self.producer is not None and self.producer.step_active:
+            layer = self.layer_index.get(layer_name)
+            if layer is not None:
+                try:
+                    self.producer.layer_done(layer)
+                except Exception:
+                    _log.exception("hixl.vllm: save_kv_layer(%s)", layer_name)
+
+    def wait_for_save(self) -> None:
+        if self.producer is not None and self.producer.step_active:
+            try:
+                self.producer.end_step()
+            except Exception:
+                _log.exception("hixl.vllm: wait_for_save")
+
+    def transfer_results(self, finished_req_ids: set) -> Tuple[set, set, set]:
+        """(finished sending, finished receiving (failed ones included), failed receiving)."""
+        sending: set = set()
+        recving: set = set()
+        failed: set = set()
+        idle = self._meta.idle if self._meta is not None else False
+        # never raise into vLLM's step: a bug here is logged, and the requests it holds wait for the
+        # next step (or their timeout)
+        try:
+            if self.producer is not None:
+                sending = self.producer.finished(finished_req_ids)
+        except Exception:
+            _log.exception("hixl.vllm: prefill side of get_finished")
+        try:
+            if self.consumer is not None:
+                recving, failed = self.consumer.finished(finished_req_ids, idle)
+        except Exception:
+            _log.exception("hixl.vllm: decode side of get_finished")
+        return sending, recving, failed
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._jobs.put(None)
+        if self.producer is not None:
+            self.producer.close()
+        if self.engine is not None:
+            try:
+                self.pool.close()
+            except Exception as e:  # best effort
+                _log.info("hixl.vllm: deregistering the KV cache: %s", e)
+            self.engine.finalize()
+        for th in self._threads:
+            th.join(5)
