@@ -38,6 +38,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--on-prefill-failure", choices=("error", "decode"), default="error",
                     help="error: a failed prefill gives the client an HTTP 502 naming it (default); decode: the "
                          "decoder finishes the request by its kv_load_failure_policy")
+    ap.add_argument("--mode", choices=("auto", "push", "pull"), default="auto",
+                    help="how the KV moves: auto (each prefill instance's own mode, default), push or pull")
     ap.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     args = ap.parse_args(argv)
     try:
@@ -48,7 +50,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"hixl proxy needs aiohttp ({e}): pip install 'hixl[proxy]'", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    proxy = Proxy(args.prefill, args.decode, timeout_s=args.timeout, on_prefill_failure=args.on_prefill_failure)
+    proxy = Proxy(args.prefill, args.decode, timeout_s=args.timeout, on_prefill_failure=args.on_prefill_failure,
+                  mode=args.mode)
     print(f"hixl proxy on http://{args.host}:{args.port}: prefill {args.prefill}, decode {args.decode}", flush=True)
     web.run_app(proxy.app(), host=args.host, port=args.port, print=None, access_log=None)
     return 0

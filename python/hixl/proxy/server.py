@@ -4,13 +4,16 @@ prefill and decode ``vllm serve`` instances that run :class:`hixl.vllm.HixlConne
 Per request, a prefill and a decode instance are picked round-robin (an instance found down is skipped
 for a few seconds, then tried again) and a transfer id ties the two halves together:
 
-* **push** (what a prefill instance in push mode announces): the request goes to both at once. The
+* **push** (what a prefill instance in push mode announces, or ``--mode push``): the request goes to both at once. The
   decoder allocates its blocks and grants them to the prefill over hixl, so the prefill writes each
   layer's KV into them while it computes the next layers. Known after a first request to that prefill
   (its response names its hixl engine and mode); before that, the two run one after the other and the
   prefill pushes the whole KV when the grant comes (the connector's fallback);
-* **pull**: the prefill runs first (``max_tokens`` 1); its response says where its blocks are, and the
-  decoder reads them.
+* **pull** (a prefill in pull mode, or ``--mode pull``): the prefill runs first (``max_tokens`` 1); its
+  response says where its blocks are, and the decoder reads them.
+
+The proxy learns each prefill's engine and mode at start-up (and again after the instance was down)
+with a one-token request the connector answers without holding blocks (``hixl_discover``).
 
 The decoder's response is relayed as it is (status, headers, the SSE stream). An instance that cannot
 be reached, or a prefill that fails, gives the client an HTTP 502 whose message names the instance; the
@@ -50,6 +53,7 @@ class Instance:
 
     def mark_down(self, why: str) -> None:
         self.down_until, self.last_error = time.monotonic() + DOWN_FOR_S, why
+        self.engine = None  # a restarted instance has another engine: learn it again
         self.failed += 1
         _log.warning("hixl proxy: %s instance %s is down: %s", self.role, self.url, why)
 
@@ -89,16 +93,20 @@ def _error(status: int, message: str, kind: str = "proxy_error", instance: Optio
 
 class Proxy:
     def __init__(self, prefill: List[str], decode: List[str], *, timeout_s: float = 600.0,
-                 on_prefill_failure: str = "error"):
+                 on_prefill_failure: str = "error", mode: str = "auto"):
         if not prefill or not decode:
             raise ValueError("hixl proxy needs at least one prefill and one decode instance")
         if on_prefill_failure not in ("error", "decode"):
             raise ValueError(f"on_prefill_failure must be 'error' or 'decode', not {on_prefill_failure!r}")
+        if mode not in ("auto", "push", "pull"):
+            raise ValueError(f"mode must be auto, push or pull, not {mode!r}")
+        self.mode = mode
         self.prefill = Pool("prefill", [Instance(u.rstrip("/"), "prefill") for u in prefill])
         self.decode = Pool("decode", [Instance(u.rstrip("/"), "decode") for u in decode])
         self.timeout_s, self.on_prefill_failure = timeout_s, on_prefill_failure
         self._session: Optional[aiohttp.ClientSession] = None
-        self.counts = {"requests": 0, "push": 0, "sequential": 0, "errors": 0}
+        self._discovery: Optional[asyncio.Future] = None
+        self.counts = {"requests": 0, "push": 0, "sequential": 0, "errors": 0}  # sequential: pull, or a first push
 
     # -- app -----------------------------------------------------------------------------------
     def app(self) -> web.Application:
@@ -116,8 +124,42 @@ class Proxy:
         self._session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=self.timeout_s, sock_connect=5),
             connector=aiohttp.TCPConnector(limit=0, force_close=False))
+        self._discovery = asyncio.ensure_future(self._discover_loop())
+
+    async def _discover_loop(self) -> None:
+        """Learns each prefill's hixl engine and mode (a one-token request with ``hixl_discover``, which
+        the connector answers without holding any block), so that push requests can go to both
+        instances at once from the first one; again whenever an instance was down."""
+        while True:
+            for inst in self.prefill.instances:
+                if inst.engine is None or inst.down_until:
+                    try:
+                        await self._discover(inst)
+                    except InstanceError as e:
+                        _log.info("hixl proxy: %s", e)
+            await asyncio.sleep(2.0)
+
+    async def _discover(self, inst: Instance) -> None:
+        try:
+            async with self._session.get(inst.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                models = (await r.json()).get("data", [])
+        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, ValueError) as e:
+            raise InstanceError(inst, f"cannot be asked for its hixl engine yet ({type(e).__name__}: {e})") from None
+        if not models:
+            raise InstanceError(inst, "serves no model")
+        out = await self._post_json(inst, "/v1/completions", {
+            "model": models[0]["id"], "prompt": ".", "max_tokens": 1, "kv_transfer_params": {"hixl_discover": True}})
+        params = out.get("kv_transfer_params") or {}
+        if not params.get("remote_engine"):
+            raise InstanceError(inst, f"does not run HixlConnector (no hixl engine in {params!r})")
+        if (inst.engine, inst.mode) != (params["remote_engine"], params.get("mode", "push")):
+            _log.info("hixl proxy: prefill %s: hixl engine %s, %s mode", inst.url, params["remote_engine"],
+                      params.get("mode", "push"))
+        inst.engine, inst.mode, inst.down_until = params["remote_engine"], params.get("mode", "push"), 0.0
 
     async def _stop(self, app: web.Application) -> None:
+        if self._discovery is not None:
+            self._discovery.cancel()
         if self._session is not None:
             await self._session.close()
 
@@ -165,12 +207,20 @@ class Proxy:
             if h in resp.headers:
                 out.headers[h] = resp.headers[h]
         await out.prepare(request)
-        try:
-            async for chunk in resp.content.iter_any():
+        chunks = resp.content.iter_any()
+        while True:
+            try:
+                chunk = await chunks.__anext__()
+            except StopAsyncIteration:
+                break
+            except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as e:
+                inst.mark_down(f"its stream broke: {e}")  # the client sees a truncated stream
+                raise
+            try:
                 await out.write(chunk)
-        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as e:
-            inst.mark_down(f"stream broke: {e}")  # the client sees a truncated stream
-            raise
+            except (ConnectionError, RuntimeError):  # the client went away: stop (vLLM aborts the request)
+                resp.close()
+                return out
         await out.write_eof()
         if resp.status == 200:
             inst.served += 1
@@ -191,12 +241,14 @@ class Proxy:
         path = request.path
         tid = uuid.uuid4().hex
         p, d = self.prefill.pick(), self.decode.pick()
+        mode = self.mode if self.mode != "auto" else (p.mode or "push")
         try:
-            if p.engine and p.mode == "push":
+            if p.engine and mode == "push":
                 self.counts["push"] += 1
                 return await self._push(request, path, body, tid, p, d)
             self.counts["sequential"] += 1
             params = await self._prefill(p, path, body, tid)
+            params["mode"] = mode
             return await self._decode(request, path, body, params, d)
         except InstanceError as e:
             self.counts["errors"] += 1

@@ -144,16 +144,21 @@ class HixlScheduler:
         rid = request.request_id
         pf = self._prefills.pop(rid, None)
         if pf is None:
+            if self._params(request).get("hixl_discover"):  # a router asking where our engine is
+                return False, {"hixl_discover": True, "remote_engine": self.engine, "mode": self.config.mode,
+                               "role": self.role}
             return False, None
         hold = bool(block_ids)
         if hold:
             self._held[rid] = self._new_held[rid] = pf.transfer_id
+        # what a decoder needs to ask for a push (our engine, the transfer id) or to read (pull) the blocks;
+        # "mode" is this instance's preference, a router may choose the other
+        nb = -(-pf.n_tokens // self.block_size)
         params: Dict[str, Any] = {"do_remote_prefill": True, "do_remote_decode": False,
                                   "transfer_id": pf.transfer_id, "remote_engine": self.engine,
-                                  "mode": self.config.mode, "num_tokens": pf.n_tokens}
-        if self.config.mode == "pull":
-            nb = -(-pf.n_tokens // self.block_size)
-            params.update(remote_blocks=list(block_ids[:nb]), remote_memory=self.memory, remote_layout=self.layout)
+                                  "mode": self.config.mode, "num_tokens": pf.n_tokens,
+                                  "remote_blocks": list(block_ids[:nb]), "remote_memory": self.memory,
+                                  "remote_layout": self.layout}
         return hold, params
 
     def update_connector_output(self, output: Any) -> None:
