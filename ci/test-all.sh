@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The one command that runs every test (README; .ci/run calls it):
-#   tier 1 (no device: ctest + pytest) on the host, then tiers 2 (rdma) and 3 (pyverbs interop)
-#   inside a QEMU/TCG guest with Soft-RoCE rxe0, then the WRITE sweep benchmark in that same VM.
-# Fails when rxe0 cannot be brought up, or when the RDMA tiers were skipped or ran no test.
-# HIXL_SKIP_DEPS=1 skips the apt/pip installation step (for repeated local runs).
+#   tier 1 (no device: ctest + pytest) on the host; the vLLM tier (hixl inside vLLM: ci/install-vllm.sh
+#   makes its environment, then tests/vllm with vLLM itself, then bench/vllm_pd.py); then tiers 2 (rdma)
+#   and 3 (pyverbs interop) inside a QEMU/TCG guest with Soft-RoCE rxe0, and the benchmarks in that VM.
+# Fails when rxe0 cannot be brought up, or when the RDMA or vLLM tiers were skipped or ran no test.
+# HIXL_SKIP_DEPS=1 skips the apt/pip installation step (for repeated local runs); HIXL_VLLM_VENV picks
+# the vLLM environment (default build/vllm-venv, made or updated by ci/install-vllm.sh).
 set -euo pipefail
 log() { echo "[ci] $*"; }
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)"
@@ -18,8 +20,11 @@ if [ "${HIXL_SKIP_DEPS:-0}" != 1 ]; then
 fi
 PY="$(python3 -c 'import sys; print(sys.executable)')"
 
-log "build + install the package (pip install .)"
-"$PY" -m pip install --disable-pip-version-check --no-build-isolation .
+log "build the package once (a wheel), install it here (and into the vLLM environment below)"
+rm -rf build/wheelhouse
+"$PY" -m pip wheel --disable-pip-version-check --no-build-isolation --no-deps -w build/wheelhouse .
+WHEEL="$(ls build/wheelhouse/hixl-*.whl)"
+"$PY" -m pip install --disable-pip-version-check --force-reinstall --no-deps "$WHEEL"
 
 log "tier 1: C++ unit tests (ctest)"
 cmake -S . -B build/ctest -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
@@ -30,7 +35,7 @@ log "tier 1: libFuzzer over the wire and control-frame parsers (bounded time)"
 bash ci/fuzz.sh "${HIXL_FUZZ_SECONDS:-60}"
 
 log "tier 1: pytest (no device)"
-"$PY" -m pytest -p no:cacheprovider -q -m "not rdma and not interop" --junitxml="$ART/host-junit.xml" tests
+"$PY" -m pytest -p no:cacheprovider -q -m "not rdma and not interop and not vllm" --junitxml="$ART/host-junit.xml" tests
 
 log "bench: same-host and tcp transports vs memcpy and Mooncake (host, same run)"
 "$PY" bench/host_sweep.py --json "$ART/host_sweep.json" 2>&1 | tee "$ART/host_sweep.txt"
@@ -39,6 +44,23 @@ log "bench: same-host and tcp transports vs memcpy and Mooncake (host, same run)
 log "bench: PD pipeline with SmolLM2, 512-token prompt: overlap and TTFT vs monolithic (host, same run)"
 "$PY" bench/pd_bench.py --json "$ART/pd_bench.json" 2>&1 | tee "$ART/pd_bench.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || { log "FAIL: bench/pd_bench.py"; exit 1; }
+
+log "vLLM tier: the vLLM environment (ci/install-vllm.sh $VLLM_VENV)"
+VLLM_VENV="${HIXL_VLLM_VENV:-$REPO/build/vllm-venv}"
+HIXL_WHEEL="$WHEEL" bash ci/install-vllm.sh "$VLLM_VENV"
+log "vLLM tier: tests/vllm (the connector's parts; vllm serve instances behind hixl proxy vs one instance)"
+mkdir -p "$ART/vllm"
+rm -f "$ART/vllm-junit.xml"
+set +e
+HIXL_REQUIRE_VLLM=1 HIXL_VLLM_LOGS="$ART/vllm" HIXL_VLLM_MODEL="$REPO/build/smollm2-hf" \
+    "$VLLM_VENV/bin/python" -m pytest -p no:cacheprovider -q -rA --durations=15 -m vllm \
+    --junitxml="$ART/vllm-junit.xml" tests/vllm
+vllm_rc=$?
+set -e
+"$PY" ci/check_junit.py "$ART/vllm-junit.xml" --min-tests 35 \
+    --require tests.vllm.test_connector_units --require tests.vllm.test_pd_e2e \
+    || { log "FAIL: the vLLM tier did not really pass"; exit 1; }
+[ "$vllm_rc" -eq 0 ] || { log "FAIL: vLLM tier exited $vllm_rc"; exit "$vllm_rc"; }
 
 log "tiers 2+3 in the rxe VM"
 rm -f "$ART/rdma-junit.xml"

@@ -59,6 +59,8 @@ def _sides(pair, rng, **kw):
 def _close(tx, rx):
     tx.close()
     rx.close()
+    tx.pool.close()
+    rx.pool.close()
 
 
 # ------------------------------------------------------------------------------------ tier 1

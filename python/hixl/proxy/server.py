@@ -144,7 +144,8 @@ class Proxy:
             async with self._session.get(inst.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=5)) as r:
                 models = (await r.json()).get("data", [])
         except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, ValueError) as e:
-            raise InstanceError(inst, f"cannot be asked for its hixl engine yet ({type(e).__name__}: {e})") from None
+            inst.mark_down(f"{type(e).__name__}: {e}")
+            raise InstanceError(inst, f"cannot be asked for its hixl engine ({type(e).__name__}: {e})") from None
         if not models:
             raise InstanceError(inst, "serves no model")
         out = await self._post_json(inst, "/v1/completions", {

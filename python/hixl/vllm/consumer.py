@@ -136,8 +136,7 @@ class Consumer:
         peers = {load.spec.peer for load in loads if load.linked and load.state != "over"}
         down = {p for p in peers if not self.w.linked(p)}
         done = self.rx.poll()
-        if not done and idle and self.w.config.idle_wait_ms > 0 and any(
-                load.spec.mode == "push" and load.state == "waiting" and load.linked for load in loads):
+        if not done and idle and self.w.config.idle_wait_ms > 0 and any(load.state != "over" for load in loads):
             # nothing to compute this step: wait for a flag (blocking, GIL released) instead of
             # letting vLLM step again 1 ms from now
             select.select([self.rx.fileno()], [], [], self.w.config.idle_wait_ms / 1000.0)
@@ -240,8 +239,10 @@ class Consumer:
                 self.rx.free(load.spec.transfer_id)  # its ticket is retired: a late flag is ignored
             except kv.KVError:
                 pass  # a failed read freed it already
-            if load.ended_by_vllm:
-                continue  # vLLM finished it already: it only waits for its blocks
+            if load.ended_by_vllm:  # vLLM finished it already: it only waited for its blocks
+                _log.info("hixl.vllm: request %s (transfer %s from %s) was aborted while waiting for its KV; its "
+                          "blocks are free (%s)", rid, load.spec.transfer_id, load.spec.peer, why)
+                continue
             failed.add(rid)
             self.w.stats.failed("recv", timeout="within" in why)
             _log.warning("hixl.vllm: request %s (transfer %s from %s) failed to load its KV: %s", rid,

