@@ -61,6 +61,23 @@ set -e
     --require tests.vllm.test_connector_units --require tests.vllm.test_pd_e2e \
     || { log "FAIL: the vLLM tier did not really pass"; exit 1; }
 [ "$vllm_rc" -eq 0 ] || { log "FAIL: vLLM tier exited $vllm_rc"; exit "$vllm_rc"; }
+if [ "${HIXL_SKIP_BENCH:-0}" != 1 ]; then
+    log "bench: vLLM PD - mono vs HixlConnector push / pull vs NixlConnector (bench/vllm_pd.py, same run)"
+    "$VLLM_VENV/bin/python" bench/vllm_pd.py --requests "${HIXL_VLLM_BENCH_REQUESTS:-4}" \
+        --model "$REPO/build/smollm2-hf" --out "$ART/vllm_pd" 2>&1 | tee "$ART/vllm_pd.log"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || { log "FAIL: bench/vllm_pd.py"; exit 1; }
+    "$PY" bench/vllm_pd.py --from-json "$ART/vllm_pd/vllm_pd.json" >/dev/null  # the plot, with the host's matplotlib
+    "$PY" - "$ART/vllm_pd/vllm_pd.json" <<'PYEOF' || { log "FAIL: bench/vllm_pd.py did not measure hixl push and pull"; exit 1; }
+import json, sys
+doc = json.load(open(sys.argv[1]))
+s = doc["summary"]
+ok = all(isinstance(s.get(k), dict) and "ttft_ms" in s[k] for k in ("mono", "hixl-push", "hixl-pull"))
+print("vllm_pd: " + "; ".join(f"{k} TTFT {v['ttft_ms']['median']:.0f} ms" if isinstance(v, dict) and "ttft_ms" in v
+                              else f"{k}: {v}" for k, v in s.items()))
+print("vllm_pd goals: " + "; ".join(f"{g['goal']}: {g['status']}" for g in doc["goals"]))
+sys.exit(0 if ok else 1)
+PYEOF
+fi
 
 log "tiers 2+3 in the rxe VM"
 rm -f "$ART/rdma-junit.xml"
