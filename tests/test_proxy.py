@@ -125,7 +125,8 @@ def post(url, body, timeout=30):
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, r.read().decode()
     except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
+        with e:
+            return e.code, e.read().decode()
 
 
 def test_push_goes_to_both_at_once_with_one_transfer_id(env):
@@ -197,7 +198,8 @@ def test_a_prefill_that_is_down_gives_a_502_naming_it_and_is_skipped(env):
     req = urllib.request.Request(url2 + "/health")
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(req)
-    assert e.value.code == 503 and dead in e.value.read().decode()
+    with e.value:
+        assert e.value.code == 503 and dead in e.value.read().decode()
 
 
 def test_a_failing_prefill_in_push_mode_aborts_the_decoder_request_and_names_the_prefill(env):
@@ -246,6 +248,7 @@ def test_bad_requests_are_refused_before_any_instance_is_asked(env):
     req = urllib.request.Request(url + "/v1/completions", b"{not json", {"content-type": "application/json"})
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(req)
+    e.value.close()
     assert e.value.code == 400
     assert p.got == [] and d.got == []
     with pytest.raises(ValueError):
