@@ -31,7 +31,7 @@ _MAX_REMEMBERED = 4096  # transfer ids remembered as expired/cancelled (late gra
 class _Send:
     __slots__ = ("rid", "tid", "n_tokens", "blocks", "grant", "attached", "dead", "phase", "step", "done_upto",
                  "t_start", "t_computed", "t_finished", "released", "cancel", "added", "stale", "aborted_sent",
-                 "busy")
+                 "busy", "lock")
 
     def __init__(self, rid: str, tid: str, n_tokens: int):
         self.rid, self.tid, self.n_tokens = rid, tid, n_tokens
@@ -50,6 +50,7 @@ class _Send:
         self.added = False          # known to the KVSender
         self.stale = False          # vLLM added blocks the KVSender does not know yet
         self.busy = False           # the inbox thread is pushing it (finished() leaves it alone)
+        self.lock = threading.Lock()  # held while a push of it is posted (see _push)
         self.aborted_sent = False
 
 
@@ -154,15 +155,20 @@ class Producer:
         return True
 
     def _push(self, s: _Send, layers, js, complete: bool) -> bool:
-        try:
-            if s.stale:
-                self.tx.set_blocks(s.tid, s.blocks, partial=True)
-                s.stale = False
-            self.tx.push(s.tid, layers, blocks=js, complete=True if complete else False)
-            return True
-        except (kv.KVError, ValueError) as e:
-            self._fail(s, f"push failed: {e}")
-            return False
+        # under the send's own lock, with the check that it is still wanted: a cancel is confirmed under
+        # the same lock once nothing is in flight, so no push can be posted after that confirmation
+        with s.lock:
+            if s.dead:
+                return False
+            try:
+                if s.stale:
+                    self.tx.set_blocks(s.tid, s.blocks, partial=True)
+                    s.stale = False
+                self.tx.push(s.tid, layers, blocks=js, complete=True if complete else False)
+                return True
+            except (kv.KVError, ValueError) as e:
+                self._fail(s, f"push failed: {e}")
+                return False
 
     def _fail(self, s: _Send, why: str) -> None:
         _log.warning("hixl.vllm: transfer %s (request %s): %s", s.tid, s.rid, why)
@@ -255,9 +261,14 @@ class Producer:
         confirm, stale = [], []
         with self._lock:
             for s in self._sends.values():
-                if s.cancel and (not s.added or self.tx.stats(s.tid)["inflight"] == 0):
-                    confirm.append((s.cancel, s.tid))
-                    s.cancel = None
+                if not s.cancel or not s.lock.acquire(blocking=False):  # a push being posted: next tick
+                    continue
+                try:
+                    if not s.added or self.tx.stats(s.tid)["inflight"] == 0:
+                        confirm.append((s.cancel, s.tid))
+                        s.cancel = None
+                finally:
+                    s.lock.release()
             while self._grants:
                 tid, (g, t) = next(iter(self._grants.items()))
                 if now - t <= self.w.config.lease_s:
