@@ -2,7 +2,7 @@
 # Make (or bring up to date) the vLLM environment of hixl: a virtual environment with vLLM's CPU build,
 # the pinned torch it needs, NIXL (the reference connector), the model export's needs and hixl itself.
 #   bash ci/install-vllm.sh VENV          # idempotent; ~3.5 GB
-# Then: VENV/bin/vllm serve ..., VENV/bin/hixl proxy ..., VENV/bin/python -m pytest -m vllm tests/vllm
+# Then: VENV/bin/vllm serve ..., VENV/bin/hixl proxy ..., VENV/bin/python -m pytest -m vllm tests/vllm_tier
 # Environment: PYTHON (the interpreter the venv is made from; default python3), HIXL_WHEEL (a hixl wheel
 # to install instead of building this checkout).
 set -euo pipefail

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one command that runs every test (README; .ci/run calls it):
 #   tier 1 (no device: ctest + pytest) on the host; the vLLM tier (hixl inside vLLM: ci/install-vllm.sh
-#   makes its environment, then tests/vllm with vLLM itself, then bench/vllm_pd.py); then tiers 2 (rdma)
+#   makes its environment, then tests/vllm_tier with vLLM itself, then bench/vllm_pd.py); then tiers 2 (rdma)
 #   and 3 (pyverbs interop) inside a QEMU/TCG guest with Soft-RoCE rxe0, and the benchmarks in that VM.
 # Fails when rxe0 cannot be brought up, or when the RDMA or vLLM tiers were skipped or ran no test.
 # HIXL_SKIP_DEPS=1 skips the apt/pip installation step (for repeated local runs); HIXL_VLLM_VENV picks
@@ -48,17 +48,17 @@ log "bench: PD pipeline with SmolLM2, 512-token prompt: overlap and TTFT vs mono
 log "vLLM tier: the vLLM environment (ci/install-vllm.sh $VLLM_VENV)"
 VLLM_VENV="${HIXL_VLLM_VENV:-$REPO/build/vllm-venv}"
 HIXL_WHEEL="$WHEEL" bash ci/install-vllm.sh "$VLLM_VENV"
-log "vLLM tier: tests/vllm (the connector's parts; vllm serve instances behind hixl proxy vs one instance)"
+log "vLLM tier: tests/vllm_tier (the connector's parts; vllm serve instances behind hixl proxy vs one instance)"
 mkdir -p "$ART/vllm"
 rm -f "$ART/vllm-junit.xml"
 set +e
 HIXL_REQUIRE_VLLM=1 HIXL_VLLM_LOGS="$ART/vllm" HIXL_VLLM_MODEL="$REPO/build/smollm2-hf" \
     "$VLLM_VENV/bin/python" -m pytest -p no:cacheprovider -q -rA --durations=15 -m vllm \
-    --junitxml="$ART/vllm-junit.xml" tests/vllm
+    --junitxml="$ART/vllm-junit.xml" tests/vllm_tier
 vllm_rc=$?
 set -e
 "$PY" ci/check_junit.py "$ART/vllm-junit.xml" --min-tests 35 \
-    --require tests.vllm.test_connector_units --require tests.vllm.test_pd_e2e \
+    --require tests.vllm_tier.test_connector_units --require tests.vllm_tier.test_pd_e2e \
     || { log "FAIL: the vLLM tier did not really pass"; exit 1; }
 [ "$vllm_rc" -eq 0 ] || { log "FAIL: vLLM tier exited $vllm_rc"; exit "$vllm_rc"; }
 if [ "${HIXL_SKIP_BENCH:-0}" != 1 ]; then

@@ -1,6 +1,6 @@
 """hixl proxy against stand-ins for vLLM instances (aiohttp servers that answer like a HixlConnector
 prefill or decode instance and record what they got): the push and pull flows, round robin, instances
-that are down or fail, streaming, /health. vLLM itself behind the proxy: tests/vllm/test_pd_e2e.py."""
+that are down or fail, streaming, /health. vLLM itself behind the proxy: tests/vllm_tier/test_pd_e2e.py."""
 from __future__ import annotations
 
 import asyncio

@@ -1,5 +1,5 @@
 """The vLLM tier (marker ``vllm``): needs vLLM, so it runs in the environment ``ci/install-vllm.sh`` makes
-(``VENV/bin/python -m pytest -m vllm tests/vllm``). Elsewhere it skips with the reason, or fails with
+(``VENV/bin/python -m pytest -m vllm tests/vllm_tier``). Elsewhere it skips with the reason, or fails with
 ``HIXL_REQUIRE_VLLM=1`` (CI)."""
 from __future__ import annotations
 
