@@ -79,12 +79,7 @@ class KVReceiver:
             raise ValueError("request_id must be a non-empty str")
         if not isinstance(n_tokens, int) or n_tokens <= 0 or extra_tokens < 0:
             raise ValueError(f"n_tokens must be a positive int and extra_tokens >= 0 (got {n_tokens!r}, {extra_tokens!r})")
-        lo, hi = layers or (0, self.layout.n_layers)
-        if not 0 <= lo < hi <= self.layout.n_layers:
-            raise ValueError(f"layers {layers!r} outside [0, {self.layout.n_layers})")
-        with self._cv:
-            if request_id in self._slots:
-                raise KVError(f"request {request_id!r} already has a slot")
+        lo, hi = self._layers_of(request_id, layers)
         deadline = None if timeout is None else time.monotonic() + timeout
         aux = self._take(self.pool.aux_slots, 1, deadline)
         try:
@@ -142,9 +137,7 @@ class KVReceiver:
                              f"{len(blocks)} blocks given")
         if any(not 0 <= b < self.pool.num_blocks for b in blocks):
             raise ValueError(f"blocks {blocks} outside the pool of {self.pool.num_blocks}")
-        lo, hi = layers or (0, self.layout.n_layers)
-        if not 0 <= lo < hi <= self.layout.n_layers:
-            raise ValueError(f"layers {layers!r} outside [0, {self.layout.n_layers})")
+        lo, hi = self._layers_of(request_id, layers)
         with self._cv:
             if request_id in self._slots:
                 raise KVError(f"request {request_id!r} already has a slot")
@@ -240,6 +233,16 @@ class KVReceiver:
             failed.append(rid)
         for rid in failed:
             self.free(rid)
+
+    def _layers_of(self, request_id: str, layers: Optional[Tuple[int, int]]) -> Tuple[int, int]:
+        """``layers`` checked (default all), and ``request_id`` not taken yet."""
+        lo, hi = layers or (0, self.layout.n_layers)
+        if not 0 <= lo < hi <= self.layout.n_layers:
+            raise ValueError(f"layers {layers!r} outside [0, {self.layout.n_layers})")
+        with self._cv:
+            if request_id in self._slots:
+                raise KVError(f"request {request_id!r} already has a slot")
+        return lo, hi
 
     def _new_ticket_locked(self) -> int:
         while True:
