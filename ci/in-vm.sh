@@ -15,6 +15,17 @@ log "tier 2+3: pytest -m 'rdma or interop' on $(ibv_devices | awk 'NR>2 {print $
 test_rc=$?
 log "pytest exit status: $test_rc"
 
+if [ -n "${HIXL_VLLM_VENV:-}" ]; then
+    # vLLM itself is far too slow under TCG (importing it alone takes minutes): the connector's worker
+    # sides run here over rdma without a vLLM server (tests/vllm_tier/test_connector_units.py).
+    log "vLLM tier over rdma: the connector's parts on rxe0 ($HIXL_VLLM_VENV)"
+    "$HIXL_VLLM_VENV/bin/python" -m pytest -p no:cacheprovider -q -rA -m "vllm and rdma" \
+        --junitxml="$ART/vllm-rdma-junit.xml" tests/vllm_tier/test_connector_units.py
+    vrc=$?
+    log "vLLM tier over rdma exit status: $vrc"
+    [ "$test_rc" -ne 0 ] || test_rc=$vrc
+fi
+
 bench_rc=0
 if [ "${HIXL_SKIP_BENCH:-0}" != 1 ]; then
     log "bench: hixl WRITE vs ib_write_lat / ib_write_bw on rxe0 (same VM run)"

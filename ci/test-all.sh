@@ -53,7 +53,7 @@ mkdir -p "$ART/vllm"
 rm -f "$ART/vllm-junit.xml"
 set +e
 HIXL_REQUIRE_VLLM=1 HIXL_VLLM_LOGS="$ART/vllm" HIXL_VLLM_MODEL="$REPO/build/smollm2-hf" \
-    "$VLLM_VENV/bin/python" -m pytest -p no:cacheprovider -q -rA --durations=15 -m vllm \
+    "$VLLM_VENV/bin/python" -m pytest -p no:cacheprovider -q -rA --durations=15 -m "vllm and not rdma" \
     --junitxml="$ART/vllm-junit.xml" tests/vllm_tier
 vllm_rc=$?
 set -e
@@ -80,14 +80,16 @@ PYEOF
 fi
 
 log "tiers 2+3 in the rxe VM"
-rm -f "$ART/rdma-junit.xml"
+rm -f "$ART/rdma-junit.xml" "$ART/vllm-rdma-junit.xml"
 set +e
-bash ci/rxe-vm.sh bash ci/in-vm.sh
+HIXL_VLLM_VENV="$VLLM_VENV" RXE_VM_TIMEOUT="${RXE_VM_TIMEOUT:-2700}" bash ci/rxe-vm.sh bash ci/in-vm.sh
 vm_rc=$?
 set -e
 "$PY" ci/check_junit.py "$ART/rdma-junit.xml" --min-tests 90 \
     --require tests.rdma.test_data_path --require tests.test_hixl_engine --require tests.test_kv \
     --require tests.test_demo --require tests.reliability --require tests.interop.test_pyverbs || { log "FAIL: RDMA tiers did not really pass"; exit 1; }
+"$PY" ci/check_junit.py "$ART/vllm-rdma-junit.xml" --min-tests 13 --require tests.vllm_tier.test_connector_units \
+    || { log "FAIL: the connector's rdma tests did not really pass in the VM"; exit 1; }
 [ "$vm_rc" -eq 0 ] || { log "FAIL: VM run exited $vm_rc"; exit "$vm_rc"; }
 if [ "${HIXL_SKIP_BENCH:-0}" != 1 ]; then
     log "hixl bench report of the VM run, with plots (matplotlib is slow under TCG, so they are drawn here)"

@@ -1,4 +1,5 @@
-"""HixlConnector's parts without a vLLM server: two worker sides on real hixl engines (shm, tcp) over
+"""HixlConnector's parts without a vLLM server: two worker sides on real hixl engines (rdma in the rxe VM,
+shm, tcp) over
 torch tensors laid out as vLLM's CPU KV cache, driven step by step the way vLLM drives them, and the
 scheduler side over stand-ins for vLLM's request and scheduler-output objects.
 
@@ -58,7 +59,7 @@ class Side:
         self.w.shutdown()
 
 
-@pytest.fixture(params=["shm", "tcp"])
+@pytest.fixture(params=[pytest.param("rdma", marks=pytest.mark.rdma), "shm", "tcp"])
 def transport(request):
     return request.param
 
