@@ -39,8 +39,9 @@ def decode(listen: str) -> None:
     ctypes.memset(kv_addr + BLOCK, 0x42, BLOCK)
     # --- CANN
     engine = hixl.Hixl()
-    check(engine.initialize(listen, {hixl.OPTION_RDMA_TRAFFIC_CLASS: "0"}), "initialize", engine)
-    ret, handle = engine.register_mem(MemDesc(addr=kv_addr, len=2 * BLOCK), MemType.MEM_HOST)
+    check(engine.initialize(local_engine=listen, options={hixl.OPTION_RDMA_TRAFFIC_CLASS: "0"}), "initialize",
+          engine)
+    ret, handle = engine.register_mem(mem_desc=MemDesc(addr=kv_addr, len=2 * BLOCK), mem_type=MemType.MEM_HOST)
     check(ret, "register_mem", engine)
     # --- CANN
     print("decode listening on %s kv_addr=%d" % (engine.local_engine, kv_addr), flush=True)
@@ -54,10 +55,10 @@ def decode(listen: str) -> None:
                 ok = got == n.notify_msg
                 print("decode: kv_ready, sha256 %s" % ("matches" if ok else "MISMATCH"), flush=True)
                 peer = sys.stdin.readline().strip()  # prefill's engine name
-                check(engine.send_notify(peer, NotifyDesc(name="verdict", notify_msg="ok" if ok else "bad"), 5000),
-                      "send_notify", engine)
+                check(engine.send_notify(remote_engine=peer, notify=NotifyDesc(name="verdict",
+                                         notify_msg="ok" if ok else "bad"), timeout_in_millis=5000), "send_notify", engine)
                 sys.stdin.readline()  # prefill says it is done
-                engine.deregister_mem(handle)
+                engine.deregister_mem(mem_handle=handle)
                 engine.finalize()
                 sys.exit(0 if ok else 1)
         time.sleep(0.01)
@@ -75,25 +76,27 @@ def prefill(remote: str, kv_addr: int, decode_proc: subprocess.Popen) -> None:
     check(engine.initialize("127.0.0.1"), "initialize", engine)  # client only: no port
     ret, handle = engine.register_mem(MemDesc(addr=src_addr, len=2 * BLOCK), MemType.MEM_HOST)
     check(ret, "register_mem", engine)
-    check(engine.connect(remote, timeout_in_millis=10000), "connect", engine)
+    check(engine.connect(remote_engine=remote, timeout_in_millis=10000), "connect", engine)
     # The block in two halves, synchronously.
     half = BLOCK // 2
     descs = [TransferOpDesc(local_addr=src_addr, remote_addr=kv_addr, len=half),
              TransferOpDesc(local_addr=src_addr + half, remote_addr=kv_addr + half, len=half)]
-    check(engine.transfer_sync(remote, WRITE, descs, timeout_in_millis=30000), "transfer_sync", engine)
+    check(engine.transfer_sync(remote_engine=remote, op=WRITE, op_descs=descs, timeout_in_millis=30000),
+          "transfer_sync", engine)
     check(engine.send_notify(remote, NotifyDesc(name="kv_ready", notify_msg=digest), 5000), "send_notify", engine)
     # Asynchronously READ decode's reply region into the second half of our buffer.
-    ret, req = engine.transfer_async(remote, READ, [TransferOpDesc(src_addr + BLOCK, kv_addr + BLOCK, BLOCK)],
-                                     TransferArgs(user_data=7))
+    ret, req = engine.transfer_async(remote_engine=remote, op=READ,
+                                     op_descs=[TransferOpDesc(src_addr + BLOCK, kv_addr + BLOCK, BLOCK)],
+                                     args=TransferArgs(user_data=7))
     check(ret, "transfer_async", engine)
     while True:
-        ret, status = engine.get_transfer_status(req)
+        ret, status = engine.get_transfer_status(req=req)
         check(ret, "get_transfer_status", engine)
         if status != TransferStatus.WAITING:
             break
         time.sleep(0.001)
     assert status == TransferStatus.COMPLETED, status
-    ret, results = engine.get_all_transfer_status(GetTransferStatusArgs())
+    ret, results = engine.get_all_transfer_status(args=GetTransferStatusArgs(5, True))
     check(ret, "get_all_transfer_status", engine)
     # --- CANN
     assert bytes(src[BLOCK:]) == b"\x42" * BLOCK, "READ brought back the wrong bytes"

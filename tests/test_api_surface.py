@@ -105,7 +105,7 @@ def test_module_doc_and_all():
     }
     assert expected <= set(T.__all__)
     public = {n for n in vars(T) if not n.startswith("_")} - {
-        "annotations", "dataclass", "enum", "field", "ipaddress", "operator", "os", "re",
+        "annotations", "dataclass", "enum", "field", "ipaddress", "json", "operator", "os", "re",
         "Any", "Dict", "List", "Optional", "Tuple",
     }
     assert public <= set(T.__all__), public - set(T.__all__)
@@ -247,7 +247,10 @@ def test_validate_op_desc_odd_inputs():
     ("", "", True),
     ("peer", "hello", True),
     ("n" * 1024, "m" * 1024, True),
-    ("é" * 1024, "字" * 1024, True),  # characters, not bytes
+    ("é" * 512, "字" * 341, True),  # bytes of UTF-8, as in CANN: 1024 and 1023
+    ("é" * 513, "", False),         # 1026 bytes
+    ("", "字" * 400, False),        # 1200 bytes
+    ("\ud800", "", False),          # not encodable
     ("n" * 1025, "", False),
     ("", "m" * 1025, False),
     (b"peer", "x", False),
@@ -270,6 +273,8 @@ def test_validate_notify_odd_inputs():
 @pytest.fixture
 def no_env(monkeypatch):
     monkeypatch.delenv("HIXL_TRANSPORT", raising=False)
+    monkeypatch.delenv("HCCL_RDMA_TC", raising=False)
+    monkeypatch.delenv("HCCL_RDMA_SL", raising=False)
 
 
 def ok(options):
@@ -292,30 +297,46 @@ def test_parse_options_defaults(no_env):
         assert p.transport == "auto"
         assert p.rdma_traffic_class is None and p.rdma_service_level is None
         assert p.auto_connect is False and p.device is None and p.gid_index is None
-        assert p.ignored == [] and p.not_applicable == [] and p.raw == {}
+        assert p.not_applicable == [] and p.raw == {} and p.notes == []
+        assert (p.connect_pool_threads, p.connect_pool_capacity) == (2, 128)
 
 
 def test_parse_options_full(no_env):
     opts = {
-        T.OPTION_RDMA_TRAFFIC_CLASS: "255", T.OPTION_RDMA_SERVICE_LEVEL: "15",
+        T.OPTION_RDMA_TRAFFIC_CLASS: "252", T.OPTION_RDMA_SERVICE_LEVEL: "7",
         T.OPTION_AUTO_CONNECT: "1", "HixlTransport": "shm", "HixlDevice": "mlx5_0",
         "HixlGidIndex": "3",
     }
     p = ok(opts)
-    assert (p.rdma_traffic_class, p.rdma_service_level) == (255, 15)
+    assert (p.rdma_traffic_class, p.rdma_service_level) == (252, 7)
     assert p.auto_connect is True
     assert (p.transport, p.device, p.gid_index) == ("shm", "mlx5_0", 3)
-    assert p.raw == opts and p.ignored == [] and p.not_applicable == []
+    assert p.raw == opts and p.not_applicable == []
     assert ok({T.OPTION_AUTO_CONNECT: "0", T.OPTION_RDMA_TRAFFIC_CLASS: "0",
                T.OPTION_RDMA_SERVICE_LEVEL: "0"}).auto_connect is False
 
 
 @pytest.mark.parametrize("key,value", [
     ("RdmaTrafficClass", "256"), ("RdmaTrafficClass", "-1"), ("RdmaTrafficClass", "abc"),
-    ("RdmaTrafficClass", ""), ("RdmaTrafficClass", "1.5"), ("RdmaTrafficClass", "0x10"),
-    ("RdmaTrafficClass", " 5"), ("RdmaTrafficClass", "+5"), ("RdmaTrafficClass", "\u0661"),
-    ("RdmaServiceLevel", "16"), ("RdmaServiceLevel", "-0"), ("RdmaServiceLevel", "x"),
-    ("AutoConnect", "2"), ("AutoConnect", "true"), ("AutoConnect", ""), ("AutoConnect", " 1"),
+    ("RdmaTrafficClass", "1.5"), ("RdmaTrafficClass", "0x10"), ("RdmaTrafficClass", "5"),
+    ("RdmaTrafficClass", "130"), ("adxl.RdmaTrafficClass", "6"),
+    ("RdmaTrafficClass", " 4"), ("RdmaTrafficClass", "+4"), ("RdmaTrafficClass", "\u0664"),
+    ("RdmaServiceLevel", "8"), ("RdmaServiceLevel", "-0"), ("RdmaServiceLevel", "x"),
+    ("AutoConnect", "2"), ("AutoConnect", "true"), ("AutoConnect", " 1"),
+    ("EnableUseFabricMem", "2"), ("EnableUseFabricMem", "yes"), ("adxl.EnableUseFabricMem", "10"),
+    ("BufferPool", "4"), ("BufferPool", "4:0"), ("BufferPool", "0:8"), ("BufferPool", "a:b"),
+    ("BufferPool", "4:8:1"), ("BufferPool", "-4:8"), ("BufferPool", " 4:8"),
+    ("GlobalResourceConfig", "[]"), ("GlobalResourceConfig", "{"), ("GlobalResourceConfig", "3"),
+    ("GlobalResourceConfig", '{"connect_pool.thread_num": 0}'),
+    ("GlobalResourceConfig", '{"connect_pool": {"thread_num": 65}}'),
+    ("GlobalResourceConfig", '{"connect_pool.task_queue_capacity": 65536}'),
+    ("GlobalResourceConfig", '{"comm_resource_config.qos": "8"}'),
+    ("GlobalResourceConfig", '{"comm_resource_config.listen_port": 0}'),
+    ("GlobalResourceConfig", '{"comm_resource_config.max_active_channels": 8193}'),
+    ("GlobalResourceConfig", '{"fabric_memory.max_capacity": 1025}'),
+    ("GlobalResourceConfig", '{"fabric_memory.task_stream_num": true}'),
+    ("GlobalResourceConfig", '{"fabric_memory": {"task_stream_num": 9}}'),
+    ("GlobalResourceConfig", '{"connect_pool.thread_num": "two"}'),
     ("HixlTransport", "ib"), ("HixlTransport", ""), ("HixlDevice", ""), ("HixlDevice", "  "),
     ("HixlGidIndex", "256"), ("HixlGidIndex", "-1"), ("HixlGidIndex", "one"),
 ])
@@ -339,19 +360,50 @@ def test_parse_options_bad_types(no_env, options):
     bad(options)
 
 
-def test_parse_options_unknown_and_not_applicable(no_env):
+def test_parse_options_refuses_an_unknown_key_naming_it(no_env):
+    for key in ("SomethingNew", "llm.Other", "adxl.HixlTransport", "adxl.", "rdmatrafficclass"):
+        p = bad({key: "1"})
+        assert repr(key) in p.error
+
+
+def test_parse_options_cann_keys_their_adxl_aliases_and_no_effect_ones(no_env):
     opts = {
-        "SomethingNew": "x", T.OPTION_ENABLE_USE_FABRIC_MEM: "1", T.OPTION_BUFFER_POOL: "4:8",
-        T.OPTION_GLOBAL_RESOURCE_CONFIG: '{"a": 1}', T.OPTION_LOCAL_COMM_RES: "{}",
-        "llm.Other": "y",
+        T.OPTION_ENABLE_USE_FABRIC_MEM: "1", T.OPTION_BUFFER_POOL: "4:8",
+        T.OPTION_GLOBAL_RESOURCE_CONFIG: '{"comm_resource_config.qos": 3}', T.OPTION_LOCAL_COMM_RES: "{}",
+        "adxl.RdmaTrafficClass": "104", "adxl.AutoConnect": "1",
     }
     p = ok(opts)
-    assert p.ignored == ["SomethingNew", "llm.Other"]
-    assert p.not_applicable == ["EnableUseFabricMem", "BufferPool", "GlobalResourceConfig",
-                                "LocalCommRes"]
-    assert p.enable_use_fabric_mem == "1" and p.buffer_pool == "4:8"
-    assert p.global_resource_config == '{"a": 1}' and p.local_comm_res == "{}"
-    assert p.raw == opts
+    assert p.not_applicable == ["EnableUseFabricMem", "BufferPool", "LocalCommRes"]
+    assert p.enable_use_fabric_mem == "1" and p.buffer_pool == "4:8" and p.local_comm_res == "{}"
+    assert p.rdma_traffic_class == 104 and p.auto_connect is True
+    assert p.raw == opts and any("comm_resource_config.qos" in n for n in p.notes)
+    # the plain key wins over its adxl. alias; an empty value is no value
+    p = ok({"RdmaServiceLevel": "3", "adxl.RdmaServiceLevel": "5", "BufferPool": "", "AutoConnect": ""})
+    assert p.rdma_service_level == 3 and p.buffer_pool is None and p.auto_connect is False
+    assert ok({"BufferPool": "0:0"}).buffer_pool == "0:0"
+
+
+def test_parse_options_global_resource_config_sizes_the_connect_pool(no_env):
+    p = ok({"GlobalResourceConfig": '{"connect_pool.thread_num": "4", "connect_pool.task_queue_capacity": 9}'})
+    assert (p.connect_pool_threads, p.connect_pool_capacity) == (4, 9)  # a numeric string counts (as in CANN)
+    p = ok({"adxl.GlobalResourceConfig": '{"connect_pool": {"thread_num": 64, "task_queue_capacity": 65535}, '
+                                         '"fabric_memory.task_stream_num": 8, "unknown_field": 1}'})
+    assert (p.connect_pool_threads, p.connect_pool_capacity) == (64, 65535)
+
+
+def test_parse_options_rdma_tc_and_sl_from_the_hccl_environment(monkeypatch):
+    monkeypatch.delenv("HIXL_TRANSPORT", raising=False)
+    monkeypatch.setenv("HCCL_RDMA_TC", "132")
+    monkeypatch.setenv("HCCL_RDMA_SL", "4")
+    p = ok({})
+    assert (p.rdma_traffic_class, p.rdma_service_level) == (132, 4)
+    p = ok({"RdmaTrafficClass": "8", "RdmaServiceLevel": ""})  # the option wins; an empty one is absent
+    assert (p.rdma_traffic_class, p.rdma_service_level) == (8, 4)
+    monkeypatch.setenv("HCCL_RDMA_TC", "133")
+    assert "HCCL_RDMA_TC" in bad({}).error
+    monkeypatch.setenv("HCCL_RDMA_TC", "")
+    monkeypatch.setenv("HCCL_RDMA_SL", "9")
+    assert "HCCL_RDMA_SL" in bad({}).error
 
 
 @pytest.mark.parametrize("value,want", [
@@ -374,9 +426,9 @@ def test_parse_options_transport_env_default(monkeypatch):
 
 
 def test_parse_options_does_not_mutate_input(no_env):
-    opts = {"AutoConnect": "1", "X": "y"}
+    opts = {"AutoConnect": "1", "adxl.BufferPool": "2:4"}
     ok(opts)
-    assert opts == {"AutoConnect": "1", "X": "y"}
+    assert opts == {"AutoConnect": "1", "adxl.BufferPool": "2:4"}
 
 
 def test_parse_options_never_raises_on_broken_mapping(no_env):

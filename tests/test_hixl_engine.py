@@ -337,10 +337,14 @@ def test_connect_async_and_disconnect_async():
         _until(lambda: b.get_async_connect_status(a.local_engine)[1] == AsyncConnectStatus.CONNECTED,
                what="async connect")
         assert b.get_all_async_connect_status() == (SUCCESS, {a.local_engine: AsyncConnectStatus.CONNECTED})
-        assert b.connect_async(a.local_engine, 1000) == ALREADY_CONNECTED
+        # as CANN: the call only queues; a connect over a live link ends CONNECTED
+        assert b.connect_async(a.local_engine, 1000) == SUCCESS
+        _until(lambda: b.get_async_connect_status(a.local_engine)[1] == AsyncConnectStatus.CONNECTED,
+               what="async connect over a live link")
         assert b.disconnect_async(a.local_engine, 1000) == SUCCESS
         _until(lambda: b.get_async_connect_status(a.local_engine)[1] == AsyncConnectStatus.NOT_CONNECT,
                what="async disconnect")
+        assert b.get_all_async_connect_status() == (SUCCESS, {})  # ended NOT_CONNECT: no longer listed
         # The peer notices the goodbye too.
         _until(lambda: a._engine.peers() == [], what="peer sees the disconnect")
         assert b.disconnect(a.local_engine) == NOT_CONNECTED
@@ -419,7 +423,8 @@ def test_disconnect_succeeds_when_the_peer_closed_the_link_first(pair):
     assert p.a.disconnect(b_name) == SUCCESS
     _until(lambda: p.b._engine.peers() == [], what="b sees a's goodbye")
     assert p.b.disconnect_async(a_name, 1000) == SUCCESS, p.b.last_error()
-    assert p.b.get_async_connect_status(a_name) == (SUCCESS, AsyncConnectStatus.NOT_CONNECT)
+    _until(lambda: p.b.get_async_connect_status(a_name) == (SUCCESS, AsyncConnectStatus.NOT_CONNECT),
+           what="the async disconnect ends")
     assert p.b.disconnect(a_name) == NOT_CONNECTED
     # A reconnect clears the record: the new link is disconnected normally.
     assert p.b.connect(a_name, 10000) == SUCCESS, p.b.last_error()

@@ -111,7 +111,6 @@ def test_finalize_is_idempotent_and_everything_fails_after(engine):
     engine.finalize()
     assert engine.finalize() is None
     d = [TransferOpDesc(1, 2, 3)]
-    assert engine.initialize("127.0.0.1:0") == FAILED
     assert engine.register_mem(MemDesc(0x1000, 10), MemType.MEM_HOST) == (FAILED, 0)
     assert engine.deregister_mem(1) == FAILED
     assert engine.connect(peer) == FAILED
@@ -128,12 +127,19 @@ def test_finalize_is_idempotent_and_everything_fails_after(engine):
     assert engine.get_notifies() == (FAILED, [])
     assert engine.get_link_info(peer) == (FAILED, {})
     assert engine.local_engine == ""
+    # as CANN: initialize after finalize builds a fresh engine
+    assert engine.initialize("127.0.0.1:0") == SUCCESS
+    assert engine.local_engine and engine.get_notifies() == (SUCCESS, [])
+    engine.finalize()
+    assert engine.get_notifies() == (FAILED, [])
 
 
 def test_finalize_before_initialize():
     e = hixl.Hixl()
     e.finalize()
-    assert e.initialize("127.0.0.1:0") == FAILED
+    assert e.initialize("127.0.0.1:0") == SUCCESS  # a fresh engine, as in CANN
+    assert e.get_notifies() == (SUCCESS, [])
+    e.finalize()
     with hixl.Hixl() as e2:
         assert e2.initialize("127.0.0.1") == SUCCESS
     assert e2.get_notifies() == (FAILED, [])
@@ -158,7 +164,7 @@ def test_register_same_range_same_handle_and_deregister_idempotent(engine):
     assert engine.deregister_mem(h) == SUCCESS
     assert engine.deregister_mem(h2) == SUCCESS
     assert engine.deregister_mem(0) == PARAM_INVALID
-    assert engine.deregister_mem(10 ** 6) == PARAM_INVALID  # never issued
+    assert engine.deregister_mem(10 ** 6) == SUCCESS  # never issued: nothing to do (as CANN)
     assert engine.deregister_mem(-1) == PARAM_INVALID
     assert engine.deregister_mem("1") == PARAM_INVALID
 
@@ -267,7 +273,12 @@ def test_not_connected_paths(engine):
     peer = "127.0.0.1:%d" % _free_port()
     d = [TransferOpDesc(0x1000, 0x2000, 16)]
     assert engine.disconnect(peer) == NOT_CONNECTED
-    assert engine.disconnect_async(peer) == NOT_CONNECTED
+    assert engine.get_async_connect_status(peer) == (SUCCESS, AsyncConnectStatus.NOT_CONNECT)  # never seen
+    assert engine.disconnect_async(peer) == SUCCESS  # queued: it ends NOT_CONNECT
+    deadline = time.monotonic() + 5
+    while engine.get_all_async_connect_status()[1] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.get_async_connect_status(peer) == (SUCCESS, AsyncConnectStatus.NOT_CONNECT)
     assert engine.transfer_sync(peer, WRITE, d, 100) == NOT_CONNECTED
     assert engine.transfer_async(peer, READ, d) == (NOT_CONNECTED, 0)
     assert engine.send_notify(peer, NotifyDesc("a", "b"), 100) == NOT_CONNECTED

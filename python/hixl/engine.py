@@ -31,9 +31,11 @@ import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from . import _core
+from .connect_pool import ConnectPool
 from .types import (
     FAILED,
     PARAM_INVALID,
+    RESOURCE_EXHAUSTED,
     SUCCESS,
     AsyncConnectStatus,
     GetTransferStatusArgs,
@@ -114,6 +116,7 @@ class Hixl:
         self._logged_keys: set = set()
         self._good_remotes: set = set()
         self._tls = threading.local()  # last_error() is per thread, like the C++ engine's
+        self._pool: Optional[ConnectPool] = None  # connect_async / disconnect_async
 
     # ------------------------------------------------------------------ helpers
     def _refuse(self, why: str) -> int:
@@ -162,10 +165,10 @@ class Hixl:
         for d in op_descs:
             la, ra, n = (getattr(d, "local_addr", None), getattr(d, "remote_addr", None), getattr(d, "len", None))
             if type(la) is int and type(ra) is int and type(n) is int:  # the per-call fast path: plain ints
-                if n <= 0 or la < 0 or ra < 0 or la + n > _U64_MAX + 1 or ra + n > _U64_MAX + 1:
+                if n <= 0 or la <= 0 or ra <= 0 or la + n > _U64_MAX + 1 or ra + n > _U64_MAX + 1:
                     return None
                 out.append((la, ra, n))
-            elif validate_op_desc(d) == SUCCESS:  # numpy ints and other __index__ types
+            elif validate_op_desc(d) == SUCCESS and operator.index(la) and operator.index(ra):  # numpy ints etc.
                 out.append((operator.index(la), operator.index(ra), operator.index(n)))
             else:
                 return None
@@ -182,20 +185,28 @@ class Hixl:
         Calling it again returns SUCCESS and keeps the first configuration.
         """
         try:
-            if self._finalized:
+            if self._forked:
                 return FAILED
+            if self._finalized:  # as CANN: initialize after finalize builds a fresh engine
+                self._engine, self._finalized, self._pid, self._name = _core.Engine(), False, 0, ""
+                self._good_remotes = set()
+            elif self._pid:
+                return SUCCESS  # already initialized: the first configuration stays
             rc, host, port = parse_engine_address(local_engine)
             if rc != SUCCESS:
                 return self._refuse("initialize: local_engine %r is not ip, ip:port or [ipv6]:port" % (local_engine,))
             rc, p = parse_options(options)
             if rc != SUCCESS:
                 return self._refuse("initialize: " + p.error)
-            for key in p.not_applicable + p.ignored:
+            for key in p.not_applicable:
                 if key not in self._logged_keys:
                     self._logged_keys.add(key)
-                    _log.info("hixl: option %s=%r %s", key, p.raw[key],
-                              "has no effect on this implementation" if key in p.not_applicable
-                              else "is unknown and ignored")
+                    _log.info("hixl: option %s=%r has no effect on this implementation", key,
+                              p.raw.get(key, p.raw.get("adxl." + key)))
+            for note in p.notes:
+                if note not in self._logged_keys:
+                    self._logged_keys.add(note)
+                    _log.info("hixl: %s", note)
             rc = self._done(self._engine.initialize(
                 local_engine, transport=p.transport, device=p.device or "",
                 gid_index=-1 if p.gid_index is None else p.gid_index,
@@ -207,6 +218,7 @@ class Hixl:
                 heartbeat_misses=-1 if p.heartbeat_misses is None else p.heartbeat_misses))
             if rc == SUCCESS:
                 self._pid, self._name = os.getpid(), self._engine.local_engine
+                self._pool = ConnectPool(self._engine, p.connect_pool_threads, p.connect_pool_capacity)
             return rc
         except Exception as e:  # never raise to the caller
             return self._failed("initialize", e)
@@ -216,7 +228,12 @@ class Hixl:
         try:
             self._finalized = True
             if not self._forked:  # in a forked child the parent's threads are not here to join
+                pool, self._pool = self._pool, None
+                if pool is not None:
+                    pool.close()
                 self._engine.finalize()
+                if pool is not None:
+                    pool.join()
         except Exception as e:
             self._failed("finalize", e)
 
@@ -237,7 +254,7 @@ class Hixl:
         try:
             if self._finalized:
                 return FAILED, 0
-            if validate_mem_desc(mem_desc) != SUCCESS:
+            if validate_mem_desc(mem_desc) != SUCCESS or operator.index(mem_desc.addr) == 0:
                 return self._refuse("register_mem: %r is not a non-empty u64 range" % (mem_desc,)), 0
             mt = _enum(mem_type, MemType)
             if mt is None:
@@ -252,13 +269,19 @@ class Hixl:
             return self._failed("register_mem", e), 0
 
     def deregister_mem(self, mem_handle: Any) -> int:
+        """SUCCESS, also for a handle already deregistered or never issued (nothing to do, as in
+        CANN); PARAM_INVALID for 0 or a non-int."""
         try:
             if self._finalized:
                 return FAILED
             h = _int(mem_handle, 0, _U64_MAX)
-            if h is None:
-                return self._refuse("deregister_mem: handle %r is not an int" % (mem_handle,))
-            return self._done(self._engine.deregister_mem(h))
+            if h is None or h == 0:
+                return self._refuse("deregister_mem: handle %r is not a registration handle (a non-zero int)"
+                                    % (mem_handle,))
+            rc = self._engine.deregister_mem(h)
+            if rc == PARAM_INVALID and "never issued" in self._engine.last_error():
+                rc = SUCCESS  # as CANN: an unknown handle is nothing to deregister
+            return self._done(rc)
         except Exception as e:
             return self._failed("deregister_mem", e)
 
@@ -286,30 +309,63 @@ class Hixl:
         to that engine, or it was already disconnected here."""
         return self._link_call("disconnect", remote_engine, timeout_in_millis, self._engine.disconnect)
 
+    def _queue_link_task(self, kind: str, remote: Any, timeout: Any) -> int:
+        name = kind + "_async"
+        try:
+            if self._finalized or self._pool is None:
+                return FAILED
+            if self._remote(remote) is None or parse_engine_address(remote)[2] is None:
+                return self._refuse("%s: remote_engine %r is not ip:port or [ipv6]:port" % (name, remote))
+            t = self._timeout(timeout)
+            if t is None:
+                return self._refuse("%s: timeout_in_millis %r must be an int in 1..2**31-1" % (name, timeout))
+            if not self._pool.submit(kind, remote, t):
+                self._tls.last_error = ("RESOURCE_EXHAUSTED: %s: the connect pool's queue is full "
+                                        "(GlobalResourceConfig connect_pool.task_queue_capacity)" % name)
+                return RESOURCE_EXHAUSTED
+            self._tls.last_error = ""
+            return SUCCESS
+        except Exception as e:
+            return self._failed(name, e)
+
     def connect_async(self, remote_engine: str, timeout_in_millis: int = _DEFAULT_TIMEOUT_MS) -> int:
-        return self._link_call("connect_async", remote_engine, timeout_in_millis, self._engine.connect_async)
+        """Queues a connect on the connect pool: SUCCESS, or RESOURCE_EXHAUSTED when its queue is full
+        (PARAM_INVALID for bad arguments). The outcome (CONNECTED, also over a live link, or
+        CONNECT_FAILED) shows in :meth:`get_async_connect_status`."""
+        return self._queue_link_task("connect", remote_engine, timeout_in_millis)
 
     def disconnect_async(self, remote_engine: str, timeout_in_millis: int = _DEFAULT_TIMEOUT_MS) -> int:
-        return self._link_call("disconnect_async", remote_engine, timeout_in_millis, self._engine.disconnect_async)
+        """Queues a disconnect on the connect pool (like :meth:`connect_async`); it ends NOT_CONNECT, also
+        for a peer never connected."""
+        return self._queue_link_task("disconnect", remote_engine, timeout_in_millis)
 
     def get_async_connect_status(self, remote_engine: str) -> Tuple[int, AsyncConnectStatus]:
+        """The state of ``remote_engine``'s async task; without one (never seen, or its disconnect
+        ended): CONNECTED when a link to it is up, else NOT_CONNECT."""
         try:
-            if self._finalized:
+            if self._finalized or self._pool is None:
                 return FAILED, AsyncConnectStatus.NOT_CONNECT
             if self._remote(remote_engine) is None:
                 return self._refuse("get_async_connect_status: bad remote_engine %r" % (remote_engine,)), \
                     AsyncConnectStatus.NOT_CONNECT
-            rc, st = self._engine.async_connect_status(remote_engine)
-            return self._done(rc), AsyncConnectStatus(st)
+            st = self._pool.status(remote_engine)
+            linked = self._engine.link_info(remote_engine)[0] == SUCCESS
+            if st is None or (st == AsyncConnectStatus.CONNECTED and not linked):
+                if st is not None:
+                    self._pool.forget(remote_engine)  # the link went away since
+                st = AsyncConnectStatus.CONNECTED if linked else AsyncConnectStatus.NOT_CONNECT
+            self._tls.last_error = ""
+            return SUCCESS, st
         except Exception as e:
             return self._failed("get_async_connect_status", e), AsyncConnectStatus.NOT_CONNECT
 
     def get_all_async_connect_status(self) -> Tuple[int, Dict[str, AsyncConnectStatus]]:
+        """Every peer with an async task (one whose disconnect ended is no longer listed)."""
         try:
-            if self._finalized:
+            if self._finalized or self._pool is None:
                 return FAILED, {}
-            rc, pairs = self._engine.all_async_connect_status()
-            return self._done(rc), {k: AsyncConnectStatus(v) for k, v in pairs}
+            self._tls.last_error = ""
+            return SUCCESS, self._pool.all()
         except Exception as e:
             return self._failed("get_all_async_connect_status", e), {}
 
@@ -333,7 +389,7 @@ class Hixl:
             descs = self._descs(op_descs)
             if descs is None:
                 return self._refuse("transfer_sync: op_descs must be a non-empty list of TransferOpDesc "
-                                    "with u64 addresses and len > 0")
+                                    "with non-zero u64 addresses and len > 0")
             t = self._timeout(timeout_in_millis)
             if t is None:
                 return self._refuse("transfer_sync: timeout_in_millis %r must be in 1..2**31-1" % (timeout_in_millis,))
@@ -345,8 +401,8 @@ class Hixl:
             return self._failed("transfer_sync", e)
 
     def transfer_async(self, remote_engine: str, op: Any, op_descs: Sequence[Any],
-                       optional_args: Any = None, *, flag: Optional[int] = None,
-                       timeout_in_millis: Optional[int] = None) -> Tuple[int, int]:
+                       args: Any = None, *, flag: Optional[int] = None,
+                       timeout_in_millis: Optional[int] = None, optional_args: Any = None) -> Tuple[int, int]:
         """``(SUCCESS, req)``; req is 0 on failure. Poll it with :meth:`get_transfer_status` or
         block on it with :meth:`transfer_wait`. ``flag``: as for :meth:`transfer_sync`.
 
@@ -366,8 +422,9 @@ class Hixl:
             descs = self._descs(op_descs)
             if descs is None:
                 return self._refuse("transfer_async: op_descs must be a non-empty list of TransferOpDesc "
-                                    "with u64 addresses and len > 0"), 0
-            args = TransferArgs() if optional_args is None else optional_args
+                                    "with non-zero u64 addresses and len > 0"), 0
+            if args is None:
+                args = TransferArgs() if optional_args is None else optional_args  # optional_args: our old name
             ud = _int(getattr(args, "user_data", None), 0, _U64_MAX)
             if ud is None:
                 return self._refuse("transfer_async: user_data must be a u64"), 0
@@ -387,13 +444,17 @@ class Hixl:
 
     def get_transfer_status(self, req: Any) -> Tuple[int, TransferStatus]:
         """``(SUCCESS, status)``. After COMPLETED/FAILED the request is freed; an unknown
-        request gives ``(PARAM_INVALID, TransferStatus.FAILED)``."""
+        request gives ``(PARAM_INVALID, TransferStatus.FAILED)``, request 0 (what a failed
+        :meth:`transfer_async` hands out) ``(FAILED, TransferStatus.FAILED)``."""
         try:
             if self._finalized:
                 return FAILED, TransferStatus.FAILED
             r = _int(req, 0, _U64_MAX)
             if r is None:
                 return self._refuse("get_transfer_status: req %r is not an int" % (req,)), TransferStatus.FAILED
+            if r == 0:
+                self._tls.last_error = "FAILED: get_transfer_status: request 0 is no request (a failed transfer_async)"
+                return FAILED, TransferStatus.FAILED
             rc, st = self._engine.transfer_status(r)
             return self._done(rc), TransferStatus(st)
         except Exception as e:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import enum
 import ipaddress
+import json
 import operator
 import os
 import re
@@ -178,10 +179,16 @@ def validate_op_desc(d: Any) -> int:
 
 
 def validate_notify(d: Any) -> int:
-    """SUCCESS if ``d.name`` and ``d.notify_msg`` are str of at most MAX_NOTIFY_LEN chars."""
+    """SUCCESS if ``d.name`` and ``d.notify_msg`` are str of at most MAX_NOTIFY_LEN bytes of UTF-8 (as in
+    CANN: 400 CJK characters are 1200 bytes, refused)."""
     for attr in ("name", "notify_msg"):
         v = getattr(d, attr, _MISSING)
         if not isinstance(v, str) or len(v) > MAX_NOTIFY_LEN:
+            return PARAM_INVALID
+        try:
+            if len(v.encode("utf-8")) > MAX_NOTIFY_LEN:
+                return PARAM_INVALID
+        except UnicodeError:  # a lone surrogate
             return PARAM_INVALID
     return SUCCESS
 
@@ -209,6 +216,31 @@ ENV_AUTH_TOKEN = "HIXL_AUTH_TOKEN"
 MAX_AUTH_TOKEN_BYTES = 4096
 _REDACTED = "<redacted>"
 
+# CANN's option keys (each also as "adxl.<key>", the ADXL spelling; the plain key wins when both are
+# given), and ours. Any other key is refused (PARAM_INVALID, naming it).
+CANN_OPTIONS = (OPTION_ENABLE_USE_FABRIC_MEM, OPTION_RDMA_TRAFFIC_CLASS, OPTION_RDMA_SERVICE_LEVEL,
+                OPTION_BUFFER_POOL, OPTION_GLOBAL_RESOURCE_CONFIG, OPTION_AUTO_CONNECT, OPTION_LOCAL_COMM_RES)
+HIXL_OPTIONS = (OPTION_HIXL_TRANSPORT, OPTION_HIXL_DEVICE, OPTION_HIXL_GID_INDEX, OPTION_HIXL_AUTH_TOKEN,
+                OPTION_HIXL_ASYNC_TIMEOUT_MS, OPTION_HIXL_HEARTBEAT_MS, OPTION_HIXL_HEARTBEAT_MISSES)
+ADXL_PREFIX = "adxl."
+# CANN reads the RDMA traffic class and service level from these when the option is absent (as we do).
+# Unlike CANN we keep 0/0 when neither is set: its 132/4 fit Ascend fabrics, not a generic RoCE network.
+ENV_RDMA_TC = "HCCL_RDMA_TC"
+ENV_RDMA_SL = "HCCL_RDMA_SL"
+# GlobalResourceConfig: the fields CANN range-checks, as "group.field" (flat, or nested in a "group" object).
+# connect_pool.* sizes our async connect pool; the others have no meaning here (accepted, logged once).
+GLOBAL_RESOURCE_FIELDS = {
+    "connect_pool.thread_num": (1, 64),
+    "connect_pool.task_queue_capacity": (1, 65535),
+    "comm_resource_config.listen_port": (1, 65535),
+    "comm_resource_config.qos": (0, 7),
+    "comm_resource_config.max_active_channels": (1, 8192),
+    "fabric_memory.max_capacity": (1, 1024),
+    "fabric_memory.task_stream_num": (1, 8),
+}
+CONNECT_POOL_THREADS = 2       # default connect_pool.thread_num
+CONNECT_POOL_CAPACITY = 128    # default connect_pool.task_queue_capacity
+
 # Accepted, stored raw, but without effect here -> ParsedOptions attribute name.
 _NOT_APPLICABLE = {
     OPTION_ENABLE_USE_FABRIC_MEM: "enable_use_fabric_mem",
@@ -216,27 +248,27 @@ _NOT_APPLICABLE = {
     OPTION_GLOBAL_RESOURCE_CONFIG: "global_resource_config",
     OPTION_LOCAL_COMM_RES: "local_comm_res",
 }
-# Integer options (decimal strings 0..max) -> (ParsedOptions attribute, max).
+# Integer options (decimal strings lo..hi) -> (ParsedOptions attribute, lo, hi).
 _INT_OPTIONS = {
-    OPTION_RDMA_TRAFFIC_CLASS: ("rdma_traffic_class", 255),
-    OPTION_RDMA_SERVICE_LEVEL: ("rdma_service_level", 15),
-    OPTION_HIXL_GID_INDEX: ("gid_index", 255),  # ibv_global_route.sgid_index is u8
-    OPTION_HIXL_ASYNC_TIMEOUT_MS: ("async_timeout_ms", 2 ** 31 - 1),
-    OPTION_HIXL_HEARTBEAT_MS: ("heartbeat_ms", 3600000),
-    OPTION_HIXL_HEARTBEAT_MISSES: ("heartbeat_misses", 1000),  # 0 is refused by initialize()
+    OPTION_RDMA_SERVICE_LEVEL: ("rdma_service_level", 0, 7),
+    OPTION_HIXL_GID_INDEX: ("gid_index", 0, 255),  # ibv_global_route.sgid_index is u8
+    OPTION_HIXL_ASYNC_TIMEOUT_MS: ("async_timeout_ms", 0, 2 ** 31 - 1),
+    OPTION_HIXL_HEARTBEAT_MS: ("heartbeat_ms", 0, 3600000),
+    OPTION_HIXL_HEARTBEAT_MISSES: ("heartbeat_misses", 0, 1000),  # 0 is refused by initialize()
 }
 _DECIMAL = re.compile(r"[0-9]+")
+_BUFFER_POOL = re.compile(r"([0-9]+):([0-9]+)")
 
 
 @dataclass
 class ParsedOptions:
     """Result of :func:`parse_options`.
 
-    ``ignored`` lists unknown keys (the engine logs them once); ``not_applicable``
-    lists CANN keys that are accepted but have no effect (their raw values are
-    kept in the matching attributes).  On failure only ``error`` is meaningful.
-    ``auth_token`` (from ``HixlAuthToken``, else env ``HIXL_AUTH_TOKEN``) never
-    appears in the repr, in ``raw`` (its value there is ``"<redacted>"``) or in ``error``.
+    ``not_applicable`` lists CANN keys that are accepted but have no effect here (their raw values
+    are kept in the matching attributes; the engine logs them once), ``notes`` what else is logged
+    once (GlobalResourceConfig fields without meaning here). On failure only ``error`` is meaningful.
+    ``auth_token`` (from ``HixlAuthToken``, else env ``HIXL_AUTH_TOKEN``) never appears in the repr,
+    in ``raw`` (its value there is ``"<redacted>"``) or in ``error``.
     """
     rdma_traffic_class: Optional[int] = None
     rdma_service_level: Optional[int] = None
@@ -251,10 +283,12 @@ class ParsedOptions:
     buffer_pool: Optional[str] = None
     global_resource_config: Optional[str] = None
     local_comm_res: Optional[str] = None
+    connect_pool_threads: int = CONNECT_POOL_THREADS
+    connect_pool_capacity: int = CONNECT_POOL_CAPACITY
     auth_token: Optional[str] = field(default=None, repr=False)
     raw: Dict[str, str] = field(default_factory=dict)
-    ignored: List[str] = field(default_factory=list)
     not_applicable: List[str] = field(default_factory=list)
+    notes: List[str] = field(default_factory=list)
     error: str = ""
 
 
@@ -263,6 +297,45 @@ def _dec(value: str, lo: int, hi: int) -> Optional[int]:
         return None
     n = int(value)
     return n if lo <= n <= hi else None
+
+
+def _json_int(v: Any) -> Optional[int]:
+    """A JSON number or a numeric string as an int (as CANN's JsonToNumber reads them), else None."""
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, int):
+        return v
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    if isinstance(v, str) and re.fullmatch(r"[+-]?[0-9]+", v.strip()):
+        return int(v.strip())
+    return None
+
+
+def _global_resource_config(value: str, p: "ParsedOptions") -> str:
+    """Checks a GlobalResourceConfig JSON object; "" or why it is refused."""
+    try:
+        doc = json.loads(value)
+    except ValueError as e:
+        return "not JSON (%s)" % e
+    if not isinstance(doc, dict):
+        return "not a JSON object"
+    for name, (lo, hi) in GLOBAL_RESOURCE_FIELDS.items():
+        group, fld = name.split(".", 1)
+        nested = doc.get(group) if isinstance(doc.get(group), dict) else {}
+        for where, v in ((name, doc.get(name)), ("%s.%s (nested)" % (group, fld), nested.get(fld))):
+            if v is None:
+                continue
+            n = _json_int(v)
+            if n is None or not lo <= n <= hi:
+                return "%s must be an integer in [%d, %d], got %r" % (where, lo, hi, v)
+            if name == "connect_pool.thread_num":
+                p.connect_pool_threads = n
+            elif name == "connect_pool.task_queue_capacity":
+                p.connect_pool_capacity = n
+            else:
+                p.notes.append("GlobalResourceConfig %s=%s has no meaning on this implementation" % (where, v))
+    return ""
 
 
 def _transport(value: str) -> Optional[str]:
@@ -284,7 +357,10 @@ def _auth_token(value: str, what: str) -> Tuple[Optional[str], str]:
 def parse_options(options: Any) -> Tuple[int, ParsedOptions]:
     """Parse an engine options dict into ``(status, ParsedOptions)``; never raises.
 
-    ``None`` means no options.  Keys and values must be ``str``.  The transport is
+    ``None`` means no options.  Keys and values must be ``str``; a key must be one of CANN's
+    (:data:`CANN_OPTIONS`, also as ``adxl.<key>``) or ours (:data:`HIXL_OPTIONS`), and values are checked
+    as CANN checks them (an empty value of a CANN key is skipped).  ``RdmaTrafficClass`` /
+    ``RdmaServiceLevel`` fall back to env ``HCCL_RDMA_TC`` / ``HCCL_RDMA_SL``.  The transport is
     taken from ``HixlTransport``, else env ``HIXL_TRANSPORT``, else ``"auto"``; the
     auth token from ``HixlAuthToken`` (non-empty), else env ``HIXL_AUTH_TOKEN`` (empty
     or unset: none), at most ``MAX_AUTH_TOKEN_BYTES`` bytes of UTF-8.
@@ -298,41 +374,77 @@ def parse_options(options: Any) -> Tuple[int, ParsedOptions]:
         if not isinstance(options, dict):
             return bad("options must be a dict, got %s" % type(options).__name__)
         p = ParsedOptions()
+        values: Dict[str, Tuple[str, str]] = {}  # canonical key -> (value, key as given); plain wins over adxl.
         for key, value in options.items():
             if not isinstance(key, str) or not isinstance(value, str):
                 return bad("option %r: keys and values must be str" % (key,))
-            p.raw[key] = value
-            if key == OPTION_HIXL_AUTH_TOKEN:
-                p.raw[key] = _REDACTED
+            p.raw[key] = _REDACTED if key == OPTION_HIXL_AUTH_TOKEN else value
+            canon = key[len(ADXL_PREFIX):] if key.startswith(ADXL_PREFIX) else key
+            if canon not in CANN_OPTIONS and (key.startswith(ADXL_PREFIX) or canon not in HIXL_OPTIONS):
+                return bad("unknown option %r (known: %s, each also as adxl.<key>, and %s)"
+                           % (key, ", ".join(CANN_OPTIONS), ", ".join(HIXL_OPTIONS)))
+            if canon in CANN_OPTIONS and value == "":
+                continue  # an empty value is no value (as in CANN)
+            if canon not in values or key == canon:
+                values[canon] = (value, key)
+        for canon, (value, key) in values.items():
+            if canon == OPTION_HIXL_AUTH_TOKEN:
                 if not value:
                     return bad("%s: empty token (leave the option out for none)" % key)
                 p.auth_token, why = _auth_token(value, key)
                 if p.auth_token is None:
                     return bad(why)
-            elif key in _INT_OPTIONS:
-                attr, hi = _INT_OPTIONS[key]
-                n = _dec(value, 0, hi)
+            elif canon == OPTION_RDMA_TRAFFIC_CLASS:
+                p.rdma_traffic_class = _traffic_class(value)
+                if p.rdma_traffic_class is None:
+                    return bad("%s=%r: expected an integer 0..255 that is a multiple of 4" % (key, value))
+            elif canon in _INT_OPTIONS:
+                attr, lo, hi = _INT_OPTIONS[canon]
+                n = _dec(value, lo, hi)
                 if n is None:
-                    return bad("%s=%r: expected an integer 0..%d" % (key, value, hi))
+                    return bad("%s=%r: expected an integer %d..%d" % (key, value, lo, hi))
                 setattr(p, attr, n)
-            elif key == OPTION_AUTO_CONNECT:
+            elif canon in (OPTION_AUTO_CONNECT, OPTION_ENABLE_USE_FABRIC_MEM):
                 if value not in ("0", "1"):
                     return bad("%s=%r: expected \"0\" or \"1\"" % (key, value))
-                p.auto_connect = value == "1"
-            elif key == OPTION_HIXL_TRANSPORT:
+                if canon == OPTION_AUTO_CONNECT:
+                    p.auto_connect = value == "1"
+                else:
+                    p.enable_use_fabric_mem = value
+                    p.not_applicable.append(canon)
+            elif canon == OPTION_BUFFER_POOL:
+                m = _BUFFER_POOL.fullmatch(value)
+                if not m or (int(m.group(1)) == 0) != (int(m.group(2)) == 0):
+                    return bad("%s=%r: expected \"N:S\" (N buffers of S MB, both > 0) or \"0:0\"" % (key, value))
+                p.buffer_pool = value
+                p.not_applicable.append(canon)
+            elif canon == OPTION_GLOBAL_RESOURCE_CONFIG:
+                why = _global_resource_config(value, p)
+                if why:
+                    return bad("%s: %s" % (key, why))
+                p.global_resource_config = value
+            elif canon == OPTION_LOCAL_COMM_RES:
+                p.local_comm_res = value
+                p.not_applicable.append(canon)
+            elif canon == OPTION_HIXL_TRANSPORT:
                 t = _transport(value)
                 if t is None:
                     return bad("%s=%r: expected one of %s" % (key, value, ", ".join(TRANSPORTS)))
                 p.transport = t
-            elif key == OPTION_HIXL_DEVICE:
+            elif canon == OPTION_HIXL_DEVICE:
                 if not value.strip():
                     return bad("%s: empty device name" % key)
                 p.device = value.strip()
-            elif key in _NOT_APPLICABLE:
-                setattr(p, _NOT_APPLICABLE[key], value)
-                p.not_applicable.append(key)
-            else:
-                p.ignored.append(key)
+        for attr, env, parse, want in (("rdma_traffic_class", ENV_RDMA_TC, _traffic_class,
+                                        "an integer 0..255 that is a multiple of 4"),
+                                       ("rdma_service_level", ENV_RDMA_SL, lambda v: _dec(v, 0, 7),
+                                        "an integer 0..7")):
+            v = os.environ.get(env, "")
+            if getattr(p, attr) is None and v:
+                n = parse(v)
+                if n is None:
+                    return bad("%s=%r: expected %s" % (env, v, want))
+                setattr(p, attr, n)
         env = os.environ.get(ENV_TRANSPORT, "")
         if OPTION_HIXL_TRANSPORT not in p.raw and env.strip():
             p.transport = t = _transport(env) or ""
@@ -346,6 +458,11 @@ def parse_options(options: Any) -> Tuple[int, ParsedOptions]:
         return SUCCESS, p
     except Exception as e:  # e.g. a dict subclass with a broken items()
         return bad("invalid options: %s" % (e,))
+
+
+def _traffic_class(value: str) -> Optional[int]:
+    n = _dec(value, 0, 255)
+    return n if n is not None and n % 4 == 0 else None
 
 
 # ------------------------------------------------------------ capability, addr
@@ -401,6 +518,7 @@ __all__ = [
     "OPTION_LOCAL_COMM_RES", "OPTION_HIXL_TRANSPORT", "OPTION_HIXL_DEVICE",
     "OPTION_HIXL_GID_INDEX", "OPTION_HIXL_AUTH_TOKEN", "OPTION_HIXL_ASYNC_TIMEOUT_MS", "OPTION_HIXL_HEARTBEAT_MS",
     "OPTION_HIXL_HEARTBEAT_MISSES", "TRANSPORTS", "ENV_TRANSPORT", "ENV_AUTH_TOKEN",
-    "MAX_AUTH_TOKEN_BYTES", "ParsedOptions", "parse_options",
+    "MAX_AUTH_TOKEN_BYTES", "ParsedOptions", "parse_options", "CANN_OPTIONS", "HIXL_OPTIONS", "ENV_RDMA_TC",
+    "ENV_RDMA_SL", "GLOBAL_RESOURCE_FIELDS", "ADXL_PREFIX", "CONNECT_POOL_THREADS", "CONNECT_POOL_CAPACITY",
     "get_capability", "parse_engine_address",
 ]
