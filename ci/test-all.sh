@@ -45,8 +45,8 @@ log "bench: PD pipeline with SmolLM2, 512-token prompt: overlap and TTFT vs mono
 "$PY" bench/pd_bench.py --json "$ART/pd_bench.json" 2>&1 | tee "$ART/pd_bench.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || { log "FAIL: bench/pd_bench.py"; exit 1; }
 
-log "vLLM tier: the vLLM environment (ci/install-vllm.sh $VLLM_VENV)"
 VLLM_VENV="${HIXL_VLLM_VENV:-$REPO/build/vllm-venv}"
+log "vLLM tier: the vLLM environment (ci/install-vllm.sh $VLLM_VENV)"
 HIXL_WHEEL="$WHEEL" bash ci/install-vllm.sh "$VLLM_VENV"
 log "vLLM tier: tests/vllm_tier (the connector's parts; vllm serve instances behind hixl proxy vs one instance)"
 mkdir -p "$ART/vllm"
