@@ -182,7 +182,9 @@ class Hixl:
     def initialize(self, local_engine: str, options: Optional[Dict[str, str]] = None) -> int:
         """``"ip:port"`` listens (port 0 picks a free port), ``"ip"`` is client only.
 
-        Calling it again returns SUCCESS and keeps the first configuration.
+        Calling it again returns SUCCESS and keeps the first configuration; after :meth:`finalize`
+        it builds a fresh engine (as CANN). ``options``: see :func:`hixl.types.parse_options` (an
+        unknown key or a bad value gives PARAM_INVALID naming it).
         """
         try:
             if self._forked:
