@@ -278,9 +278,12 @@ def test_notify_limits_and_backpressure(pair):
     p = pair
     assert p.b.send_notify(p.a.local_engine, NotifyDesc("n" * 1025, "m"), 1000) == PARAM_INVALID
     assert p.b.send_notify(p.a.local_engine, NotifyDesc("n", "m" * 1025), 1000) == PARAM_INVALID
-    assert p.b.send_notify(p.a.local_engine, NotifyDesc("ü" * 1024, "€" * 1024), 5000) == SUCCESS  # chars, not bytes
+    # The limit is 1024 bytes of UTF-8, as in CANN: 1024 two-byte characters are refused, 512 fit.
+    assert p.b.send_notify(p.a.local_engine, NotifyDesc("ü" * 1024, "m"), 5000) == PARAM_INVALID
+    assert p.b.send_notify(p.a.local_engine, NotifyDesc("n", "€" * 342), 5000) == PARAM_INVALID
+    assert p.b.send_notify(p.a.local_engine, NotifyDesc("ü" * 512, "€" * 341), 5000) == SUCCESS
     rc, notes = p.a.get_notifies()
-    assert rc == SUCCESS and notes == [NotifyDesc("ü" * 1024, "€" * 1024)]
+    assert rc == SUCCESS and notes == [NotifyDesc("ü" * 512, "€" * 341)]
     for i in range(hixl.MAX_UNREAD_NOTIFIES):
         rc = p.b.send_notify(p.a.local_engine, NotifyDesc("k", str(i)), 10000)
         assert rc == SUCCESS, (i, p.b.last_error())

@@ -920,6 +920,9 @@ int Engine::connect_once(const std::string& key, int timeout_ms, uint32_t offers
             no.status = uint32_t(kUnsupported);
             no.text = "shm not usable from the client (" + why + "); it reconnects without it";
             oob::send_all(s, wire::encode_control(no), deadline);
+            // Until the server closed this connection: it has then read the Refuse and let go of
+            // our name, so that the retry is not refused as "a handshake from us is in progress".
+            oob::drain(s, deadline);
             return kRetryWithoutShm;
           }
           throw Error("the same-host transport was chosen but is not usable from here: " + why);

@@ -321,7 +321,7 @@ def test_token_option_parsing(monkeypatch):
     T = hixl.types
     rc, p = T.parse_options({"HixlAuthToken": "s3cr3t-value"})
     assert rc == SUCCESS and p.auth_token == "s3cr3t-value"
-    assert p.raw == {"HixlAuthToken": "<redacted>"} and p.ignored == []
+    assert p.raw == {"HixlAuthToken": "<redacted>"} and p.notes == []
     assert "s3cr3t-value" not in repr(p)
     for bad in ("", "x" * (T.MAX_AUTH_TOKEN_BYTES + 1), "\ud800-s3cr3t"):
         rc, p = T.parse_options({"HixlAuthToken": bad})
