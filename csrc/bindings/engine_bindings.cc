@@ -62,10 +62,6 @@ void hixl_bind_engine(py::module_& m) {
       .def("deregister_mem", &Engine::deregister_mem, py::arg("handle"), release())
       .def("connect", &Engine::connect, py::arg("remote"), py::arg("timeout_ms"), release())
       .def("disconnect", &Engine::disconnect, py::arg("remote"), py::arg("timeout_ms"), release())
-      .def("connect_async", &Engine::connect_async, py::arg("remote"), py::arg("timeout_ms"), release())
-      .def("disconnect_async", &Engine::disconnect_async, py::arg("remote"), py::arg("timeout_ms"), release())
-      .def("async_connect_status", &Engine::async_connect_status, py::arg("remote"), release())
-      .def("all_async_connect_status", &Engine::all_async_connect_status, release())
       .def(
           "transfer_sync",
           [](Engine& e, const std::string& remote, int op, const DescTuples& d, int timeout_ms, int64_t flag) {

@@ -1,0 +1,506 @@
+// The connector: connect(), accepting peers and serving their handshakes, disconnect(); a link's
+// data path is built here and the link published to (or retired from) the link table.
+#include <poll.h>
+#include <unistd.h>
+
+#include <algorithm>
+
+#include "auth/handshake.h"
+#include "engine/engine.h"
+#include "engine/internal.h"
+#include "transport/shm_path.h"
+#include "transport/tcp_path.h"
+#include "verbs/error.h"
+#include "verbs/log.h"
+
+namespace hixl::engine {
+
+using namespace detail;
+
+namespace {
+constexpr int kRetryWithoutShm = -1;  // connect_once(): the same-host probe failed on our side
+}  // namespace
+
+std::shared_ptr<rdma::Endpoint> Engine::make_endpoint() const {
+  if (!pd_) return nullptr;
+  rdma::EndpointOptions o;
+  o.device = pd_->context()->name();
+  o.gid_index = opts_.gid_index;
+  if (opts_.traffic_class >= 0) o.traffic_class = uint8_t(opts_.traffic_class);
+  if (opts_.service_level >= 0) o.service_level = uint8_t(opts_.service_level);
+  return std::make_shared<rdma::Endpoint>(o);
+}
+
+wire::Control Engine::hello_frame(wire::FrameType type, const std::shared_ptr<rdma::Endpoint>& ep,
+                                  uint32_t offers) const {
+  wire::Control c;
+  c.type = type;
+  c.offers = offers;
+  c.instance = instance_;
+  c.name = name_;
+  c.boot_id = boot_id_;
+  c.pid = uint32_t(::getpid());
+  c.probe_addr = reinterpret_cast<uint64_t>(&probe_cookie_);
+  c.probe_value = probe_cookie_;
+  c.extents = registry_.extents();
+  c.regions = registry_.regions(&c.version);
+  if (ep) c.hello = ep->local_info().hello;  // queue pair only: the regions travel in c.regions
+  return c;
+}
+
+void Engine::make_path(Link& link, const wire::Control& peer) {
+  // shm/tcp: a request's flag follows its bytes on the control connection. The path (and so this
+  // function) never outlives its link: remove_link() closes it, which joins its worker.
+  auto flag_sender = [l = &link](uint32_t v) {
+    wire::Control f;
+    f.type = wire::FrameType::kFlag;
+    f.status = v;
+    l->send(f, Clock::now() + milliseconds(5000));
+  };
+  switch (link.transport) {
+    case wire::Transport::kRdma:
+      link.path = std::make_shared<transport::RdmaPath>(link.ep, [this, key = link.key](uint32_t v) { inbox_.push_flag(key, v); });
+      break;
+    case wire::Transport::kShm: {
+      auto p = std::make_shared<transport::ShmPath>(pid_t(peer.pid), link.key);
+      p->set_extents(peer.extents);
+      p->set_flag_sender(flag_sender);
+      link.shm = p.get();
+      link.path = p;
+      link.ep.reset();
+      break;
+    }
+    case wire::Transport::kTcp: {
+      auto p = std::make_shared<transport::TcpPath>(
+          link.key,
+          [this](uint64_t a, uint64_t len, bool write) {
+            return registry_.allows(a, len, write ? wire::kRemoteWrite : wire::kRemoteRead);
+          },
+          registry_.data_lock());
+      p->set_flag_sender(flag_sender);
+      link.tcp = p.get();
+      link.path = p;
+      link.ep.reset();
+      break;
+    }
+    default: throw Error(std::string("no data path for transport ") + wire::transport_name(link.transport));
+  }
+}
+
+bool Engine::add_link(const std::shared_ptr<Link>& link, oob::Socket s, const wire::Control& peer,
+                      std::shared_ptr<Link>* superseded) {
+  link->peer_instance = peer.instance;
+  link->ctrl = std::move(s);
+  link->heard();  // the heartbeat counts from the publication
+  link->set_regions(peer.regions, peer.version);
+  if (!links_.publish(link, superseded)) return false;
+  wake();
+  std::string detail = " (" + std::to_string(peer.regions.size()) + " remote regions";
+  if (link->ep)
+    detail += ", device " + link->ep->local_info().device + ", gid index " +
+              std::to_string(link->ep->local_info().gid_index) + ", path mtu " + std::to_string(link->ep->path_mtu());
+  if (link->shm) detail += ", peer pid " + std::to_string(peer.pid) + ", " + std::to_string(peer.extents.size()) + " memfd regions";
+  detail += ")";
+  std::string msg = "engine " + name_ + ": link to " + link->key + " uses transport " +
+                    wire::transport_name(link->transport) + detail + (link->initiator ? ", we connected" : ", peer connected");
+  if (link->transport == wire::Transport::kTcp && auto_transport_)
+    log::warn(msg + (peer.boot_id == boot_id_
+                         ? ": the TCP fallback; the peer is on this host but the same-host transport is not usable "
+                           "between us (cross-memory attach refused on one side; that side's log says why)"
+                         : ": the TCP fallback (no RDMA device on both ends, and not the same host)"));
+  else
+    log::info(msg);
+  return true;
+}
+
+void Engine::remove_link(const std::shared_ptr<Link>& link, const std::string& why, bool by_disconnect) {
+  links_.unpublish(link, why, by_disconnect);
+  {
+    std::lock_guard<std::mutex> g(link->mu);
+    if (link->down) return;
+    link->down = true;
+    link->down_reason = why;
+    link->cv.notify_all();
+  }
+  if (link->path) link->path->close();  // rdma: QP -> ERR; shm/tcp: copies stopped, peer's requests refused
+  link->ctrl.shutdown();
+  wake();
+  log::info("engine " + name_ + ": link to " + link->key + " closed: " + why);
+}
+
+// ------------------------------------------------------------------------------- connecting
+int Engine::connect(const std::string& remote, int timeout_ms) {
+  try {
+    auto key = canonical(remote);
+    int port = -1;
+    if (key) canonical(remote, &port);
+    if (!ready()) return fail(kFailed, "connect: engine is not initialized");
+    if (!key || port < 0) return fail(kParamInvalid, "connect: \"" + remote + "\" is not ip:port or [ipv6]:port");
+    if (timeout_ms <= 0) return fail(kParamInvalid, "connect: timeout_in_millis must be > 0");
+    if (*key == name_) return fail(kParamInvalid, "connect: " + *key + " is this engine itself");
+    if (int rc = links_.claim_outgoing(*key); rc != kSuccess) return rc;
+    int rc;
+    try {
+      rc = connect_impl(*key, timeout_ms);
+    } catch (...) {
+      links_.release_outgoing(*key);
+      throw;
+    }
+    links_.release_outgoing(*key);
+    return rc;
+  } catch (const std::exception& e) {
+    return fail(kFailed, "connect(" + remote + "): " + e.what());
+  }
+}
+
+int Engine::connect_impl(const std::string& key, int timeout_ms) {
+  auto start = Clock::now();
+  std::string shm_refusal;
+  int rc = connect_once(key, timeout_ms, offers_, &shm_refusal);
+  if (rc != kRetryWithoutShm) return rc;
+  // The peer could reach us on this host, but we cannot reach it: say so and use what remains.
+  log::warn("engine " + name_ + ": same-host transport to " + key + " is not usable from this side (" + shm_refusal +
+            "); reconnecting without it");
+  int left = int(std::chrono::duration_cast<milliseconds>(Clock::now() - start).count());
+  return connect_once(key, std::max(1, timeout_ms - left), offers_ & ~wire::transport_bit(wire::Transport::kShm),
+                      nullptr);
+}
+
+int Engine::connect_once(const std::string& key, int timeout_ms, uint32_t offers, std::string* shm_refusal) {
+  auto [host, port] = oob::split_host_port(key);
+  auto deadline = Clock::now() + milliseconds(timeout_ms);
+  oob::Socket s;
+  try {
+    s = oob::connect_tcp(host, uint16_t(port), milliseconds(timeout_ms));
+  } catch (const Error& e) {
+    return fail(e.err() == ETIMEDOUT ? kTimeout : kFailed, "connect to " + key + ": " + e.what());
+  }
+  auto link = std::make_shared<Link>();
+  link->key = key;
+  link->initiator = true;
+  link->id = random_u64() | 1;
+  auto ep = (offers & wire::transport_bit(wire::Transport::kRdma)) ? make_endpoint() : nullptr;
+  wire::Control peer;
+  {
+    Handshakes::Guard guard(handshakes_, &s);
+    try {
+      if (!opts_.auth_token.empty()) auth::client_handshake(s, opts_.auth_token, deadline);  // before anything of ours
+      wire::Control hello = hello_frame(wire::FrameType::kConnect, ep, offers);
+      hello.link = link->id;
+      oob::send_all(s, wire::encode_control(hello), deadline);
+      auto [h, payload] = oob::recv_frame(s, deadline);
+      peer = wire::parse_control(h.type, payload.data(), payload.size());
+      if (peer.type == wire::FrameType::kRefuse) {
+        // The peer's reason is passed on; its code only where connect() documents it.
+        int code = peer.status == kAlreadyConnected || peer.status == kUnsupported ? int(peer.status) : kFailed;
+        return fail(code, "connect to " + key + ": refused by the peer: " + peer.text);
+      }
+      if (peer.type != wire::FrameType::kAccept)
+        throw Error("expected an Accept frame, got type " + std::to_string(int(peer.type)));
+      if (peer.link != link->id)
+        throw Error("the Accept names link " + std::to_string(peer.link) + ", we asked for " + std::to_string(link->id));
+      if (!(offers & wire::transport_bit(peer.transport)))
+        throw Error(std::string("peer chose transport ") + wire::transport_name(peer.transport) + ", we offered " +
+                    offers_string(offers));
+      link->transport = peer.transport;
+      if (peer.transport == wire::Transport::kRdma) {
+        if (!ep || !peer.hello) throw Error("peer chose rdma without queue pair information");
+        ep->connect(*peer.hello);
+        link->ep = ep;
+      } else if (peer.transport == wire::Transport::kShm) {
+        std::string why = peer.boot_id != boot_id_ ? "the peer runs on another host (boot ids differ)"
+                                                   : transport::shm_probe(pid_t(peer.pid), peer.probe_addr, peer.probe_value);
+        if (!why.empty()) {
+          if (shm_refusal && (offers & wire::transport_bit(wire::Transport::kTcp))) {
+            *shm_refusal = why;
+            wire::Control no;  // tell the server why this attempt ends, so that it does not log a failure
+            no.type = wire::FrameType::kRefuse;
+            no.status = uint32_t(kUnsupported);
+            no.text = "shm not usable from the client (" + why + "); it reconnects without it";
+            oob::send_all(s, wire::encode_control(no), deadline);
+            // Until the server closed this connection: it has then read the Refuse and let go of
+            // our name, so that the retry is not refused as "a handshake from us is in progress".
+            oob::drain(s, deadline);
+            return kRetryWithoutShm;
+          }
+          throw Error("the same-host transport was chosen but is not usable from here: " + why);
+        }
+      }
+      make_path(*link, peer);
+      oob::send_all(s, wire::encode_ready(), deadline);
+    } catch (const Error& e) {
+      if (!ready()) return fail(kFailed, "connect to " + key + ": engine finalized during the handshake");
+      return fail(e.err() == ETIMEDOUT ? kTimeout : kFailed, "connect to " + key + ": handshake: " + e.what());
+    }
+  }
+  try {
+    auto [h, payload] = oob::recv_frame(s, deadline);  // the server holds the link now
+    if (h.type != wire::FrameType::kReady) throw Error("expected the server's READY, got frame type " + std::to_string(int(h.type)));
+  } catch (const Error& e) {
+    link->path->close();
+    return fail(e.err() == ETIMEDOUT ? kTimeout : kFailed, "connect to " + key + ": final handshake step: " + e.what());
+  }
+  // TCP: two data connections, now that the server has published the link. Direction 0: we request,
+  // the peer serves; 1: the other way round.
+  if (link->tcp) {
+    try {
+      for (uint32_t dir = 0; dir < 2; ++dir) {
+        oob::Socket d = oob::connect_tcp(host, uint16_t(port), std::max(left_until(deadline), milliseconds(1)));
+        if (!opts_.auth_token.empty()) auth::client_handshake(d, opts_.auth_token, deadline);
+        wire::Control a;
+        a.type = wire::FrameType::kAttach;
+        a.instance = instance_;
+        a.name = name_;
+        a.direction = dir;
+        a.link = link->id;
+        oob::send_all(d, wire::encode_control(a), deadline);
+        link->tcp->attach(dir == 1, std::move(d));
+      }
+    } catch (const Error& e) {
+      link->path->close();
+      return fail(e.err() == ETIMEDOUT ? kTimeout : kFailed, "connect to " + key + ": tcp data connection: " + e.what());
+    }
+  }
+  if (!add_link(link, std::move(s), peer, nullptr)) {
+    link->path->close();
+    return fail(ready() ? kAlreadyConnected : kFailed,
+                "connect to " + key + ": a link appeared meanwhile, or the engine is finalizing");
+  }
+  return ok();
+}
+
+// The peer attaches only after our READY, and we publish the link before we send that: a data
+// connection that matches no published link belongs to one already replaced or closed (a client
+// that disconnected and reconnected before we served this connection). It must never be attached to
+// the link that replaced it: that link's own connections would then be dropped as second ones.
+void Engine::serve_attach(oob::Socket s, const wire::Control& c) {
+  auto key = canonical(c.name);
+  auto link = key ? links_.find(*key) : nullptr;
+  if (link && link->tcp && link->peer_instance == c.instance && link->id == c.link) {
+    link->tcp->attach(c.direction == 0, std::move(s));  // its request socket is the one we serve
+    return;
+  }
+  log::info("engine " + name_ + ": a tcp data connection (direction " + std::to_string(c.direction) + ") for link " +
+            std::to_string(c.link) + " of \"" + c.name + "\" matches no current link (" +
+            (link ? "that peer's link is " + std::to_string(link->id) + ", transport " +
+                        wire::transport_name(link->transport)
+                  : std::string("no link to that peer")) +
+            "): a replaced or closed link's; dropped");
+}
+
+// On its own thread, so that nothing a linked peer does to the progress thread (a reply it does not
+// read) delays anyone's handshake.
+void Engine::accept_loop() {
+  while (!stop_) {
+    pollfd p[2] = {{accept_wake_fd_, POLLIN, 0}, {listener_.fd(), POLLIN, 0}};
+    int rc = ::poll(p, 2, 1000);
+    if (stop_) break;
+    if (rc < 0) {
+      if (errno != EINTR) log::warn("engine " + name_ + ": accept poll: " + errno_str(errno));
+      continue;
+    }
+    if (p[1].revents & POLLIN) accept_incoming();
+  }
+}
+
+void Engine::accept_incoming() {
+  oob::Socket s;
+  try {
+    s = oob::accept_tcp(listener_, milliseconds(0));
+  } catch (const std::exception& e) {
+    log::warn("engine " + name_ + ": accept: " + e.what());
+    std::this_thread::sleep_for(milliseconds(50));  // e.g. EMFILE: the connection stays queued, poll says so again
+    return;
+  }
+  if (!s.valid()) return;
+  const std::string from = oob::peer_address(s);
+  const std::string host = from.substr(0, from.rfind(':'));
+  std::string refusal;
+  const bool over = !handshakes_.acquire(host, from, name_, &refusal);
+  if (!refusal.empty()) log::warn(refusal);
+  if (over) {  // the refusal is small: it fits the socket buffer, so this never waits
+    wire::Control r;
+    r.type = wire::FrameType::kRefuse;
+    r.status = uint32_t(kResourceExhausted);
+    r.text = "too many handshakes in progress; try again later";
+    try {
+      oob::send_all(s, wire::encode_control(r), Clock::now());
+    } catch (const std::exception&) {
+    }
+    return;
+  }
+  // Gives the slot back however the handshake ends (also when spawn() refuses: finalizing).
+  auto release = std::shared_ptr<void>(nullptr, [this, host](void*) { handshakes_.release(host); });
+  auto sp = std::make_shared<oob::Socket>(std::move(s));
+  try {
+    spawn([this, sp, release] { serve_incoming(std::move(*sp)); });  // throws once finalizing: sp closes
+  } catch (const std::exception& e) {
+    log::info("engine " + name_ + ": not serving the peer at " + from + ": " + e.what());
+  }
+}
+
+void Engine::serve_incoming(oob::Socket s) {
+  Handshakes::Guard guard(handshakes_, &s);
+  auto deadline = Clock::now() + milliseconds(opts_.handshake_timeout_ms);
+  const std::string from = oob::peer_address(s);
+  const std::string& token = opts_.auth_token;
+  // A refusal carries its status and reason, nothing else of ours. Refusals of peers that did not
+  // authenticate are warnings (with the peer's address; never the token).
+  auto refuse = [&](int code, const std::string& why, bool warn = false, const std::string& detail = "") {
+    const std::string msg = "engine " + name_ + ": refusing the peer at " + from + ": " + why +
+                            (detail.empty() ? "" : " (" + detail + ")");
+    if (warn)
+      log::warn(msg);
+    else
+      log::info(msg);
+    wire::Control r;
+    r.type = wire::FrameType::kRefuse;
+    r.status = uint32_t(code);
+    r.text = why;
+    try {
+      oob::send_all(s, wire::encode_control(r), deadline);
+    } catch (const std::exception&) {
+    }
+    oob::drain(s, std::min(deadline, Clock::now() + milliseconds(200)));  // so the peer gets to read it
+  };
+  wire::Control c;
+  bool authenticated = token.empty();
+  try {
+    if (!token.empty()) {
+      // The first frame must be an AuthHello: anything else is refused by its header alone, and
+      // nothing longer than an auth frame is read before the peer proved the token.
+      wire::Header h = oob::recv_header(s, deadline);
+      if (h.type != wire::FrameType::kAuthHello)
+        return refuse(kFailed, "authentication required (this engine accepts only peers with its HixlAuthToken)",
+                      true);
+      auto payload = oob::recv_payload(s, h, deadline, auth::kMaxPreAuthPayload);
+      std::string why = auth::server_handshake(s, token, wire::parse_control(h.type, payload.data(), payload.size()),
+                                               deadline);
+      if (!why.empty()) return refuse(kFailed, why, true);
+      authenticated = true;
+    }
+    auto [h, payload] = oob::recv_frame(s, deadline);
+    c = wire::parse_control(h.type, payload.data(), payload.size());
+    if (c.type == wire::FrameType::kAuthHello && token.empty())
+      return refuse(int(auth::kStatusNoAuth), "this engine has no HixlAuthToken: it does not authenticate peers", true);
+    if (c.type == wire::FrameType::kAuthHello) return refuse(kFailed, "authentication already done", true);
+    if (c.type == wire::FrameType::kAttach) return serve_attach(std::move(s), c);
+    if (c.type != wire::FrameType::kConnect) throw Error("expected a Connect frame, got type " + std::to_string(int(h.type)));
+  } catch (const std::exception& e) {
+    // Before authentication the reason stays generic: the details (which may name our socket) go to the log only.
+    if (!authenticated) return refuse(kFailed, "bad handshake (authentication required)", true, e.what());
+    return refuse(kFailed, std::string("bad handshake: ") + e.what());
+  }
+  int peer_port = -1;
+  auto key = canonical(c.name, &peer_port);
+  if (!key) return refuse(kParamInvalid, "peer name \"" + c.name + "\" is not an engine address");
+
+  // Transport: rdma when both ends have a device, else same-host when both are on this host and
+  // cross-memory attach works, else TCP (a warning when that is the auto choice).
+  const uint32_t common = c.offers & offers_;
+  auto has = [&](wire::Transport t) { return (common & wire::transport_bit(t)) != 0; };
+  wire::Transport chosen = wire::Transport::kNone;
+  std::string shm_why;
+  if (has(wire::Transport::kRdma) && c.hello && pd_) {
+    chosen = wire::Transport::kRdma;
+  } else {
+    if (has(wire::Transport::kShm)) {
+      shm_why = c.boot_id != boot_id_ ? "the peer runs on another host (boot ids differ)"
+                                      : transport::shm_probe(pid_t(c.pid), c.probe_addr, c.probe_value);
+      if (shm_why.empty()) chosen = wire::Transport::kShm;
+    }
+    if (chosen == wire::Transport::kNone && has(wire::Transport::kTcp)) chosen = wire::Transport::kTcp;
+  }
+  if (chosen == wire::Transport::kNone)
+    return refuse(kUnsupported, "no common transport: peer offers " + offers_string(c.offers) + ", " + name_ +
+                                    " offers " + offers_string(offers_) + (shm_why.empty() ? "" : "; shm: " + shm_why));
+  if (chosen == wire::Transport::kTcp && !shm_why.empty())
+    log::warn("engine " + name_ + ": same-host transport to " + *key + " not usable (" + shm_why + "); using tcp");
+  {
+    int code = kSuccess;
+    std::string why = links_.claim_incoming(*key, name_, peer_port >= 0, c.instance, &code);
+    if (!why.empty()) return refuse(code, why);
+  }
+  bool claimed = true;  // the link table holds *key for us; add_link() gives it back once the link is published
+  std::shared_ptr<Link> old;
+  try {
+    auto link = std::make_shared<Link>();
+    link->key = *key;
+    link->id = c.link;
+    link->transport = chosen;
+    if (chosen == wire::Transport::kRdma) {
+      link->ep = make_endpoint();
+      link->ep->connect(*c.hello);  // RTR/RTS before we answer: the client may write as soon as it has our reply
+    }
+    make_path(*link, c);
+    wire::Control a = hello_frame(wire::FrameType::kAccept, link->ep, offers_);
+    a.transport = chosen;
+    a.link = link->id;
+    oob::send_all(s, wire::encode_control(a), deadline);
+    auto [h, payload] = oob::recv_frame(s, deadline);
+    if (h.type == wire::FrameType::kRefuse) {  // the client's probe of us failed: it retries without shm
+      log::info("engine " + name_ + ": " + *key + " ended its handshake: " + wire::parse_control(h.type, payload.data(), payload.size()).text);
+      link->path->close();
+    } else if (h.type != wire::FrameType::kReady) {
+      throw Error("expected READY, got frame type " + std::to_string(int(h.type)));
+    } else {
+    // Published, then confirmed with a READY of ours, so that the client's connect() returns only
+    // once both ends hold the link. send_mu keeps any other frame for this link behind it.
+    // Everything this handshake has to do is done before that READY: add_link() ends our claim on
+    // the peer's name, and the link it replaced is retired here, so that a client that disconnects
+    // and connects again the moment its connect() returned is neither refused ("a handshake is in
+    // progress") nor raced by the old link's teardown.
+    std::unique_lock<std::mutex> first(link->send_mu);
+    if (!add_link(link, std::move(s), c, &old)) {
+      first.unlock();
+      link->path->close();
+      log::info("engine " + name_ + ": dropping the link from " + *key + " (finalizing)");
+    } else {
+      claimed = false;
+      if (old) remove_link(old, "superseded by a new connection from the same peer");
+      old.reset();
+      oob::send_all(link->ctrl, wire::encode_ready(), deadline);
+    }
+    }
+  } catch (const std::exception& e) {
+    log::warn("engine " + name_ + ": handshake with " + *key + " failed: " + e.what());
+  }
+  if (old) remove_link(old, "superseded by a new connection from the same peer");
+  if (claimed) links_.release_incoming(*key);
+}
+
+int Engine::disconnect(const std::string& remote, int timeout_ms) {
+  try {
+    if (!ready()) return fail(kFailed, "disconnect: engine is not initialized");
+    auto key = canonical(remote);
+    if (!key) return fail(kParamInvalid, "disconnect: \"" + remote + "\" is not an engine address");
+    return disconnect_impl(*key, timeout_ms, "disconnected by " + name_);
+  } catch (const std::exception& e) {
+    return fail(kFailed, "disconnect(" + remote + "): " + e.what());
+  }
+}
+
+bool Engine::take_closed(const std::string& key) {
+  std::string why;
+  if (!links_.take_closed(key, &why)) return false;
+  log::info("engine " + name_ + ": disconnect " + key + ": the link was already closed (" + why + ")");
+  return true;
+}
+
+int Engine::disconnect_impl(const std::string& key, int timeout_ms, const std::string& why) {
+  auto link = links_.find(key);
+  if (!link && take_closed(key)) return ok();
+  if (!link) return fail(kNotConnected, "disconnect: not connected to " + key);
+  try {
+    wire::Control bye;
+    bye.type = wire::FrameType::kBye;
+    bye.text = why;
+    link->send(bye, Clock::now() + milliseconds(std::max(1, timeout_ms)));
+  } catch (const std::exception& e) {
+    log::info("disconnect " + key + ": goodbye not delivered: " + e.what());
+  }
+  remove_link(link, why, true);
+  return ok();
+}
+
+}  // namespace hixl::engine

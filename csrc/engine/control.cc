@@ -1,0 +1,244 @@
+// The control loop: the progress thread reading every link's control connection (incrementally)
+// and handling its frames, the watchdog (heartbeat, request expiry), and region pushes to peers.
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+
+#include "engine/engine.h"
+#include "engine/internal.h"
+#include "transport/shm_path.h"
+#include "verbs/error.h"
+#include "verbs/log.h"
+#include "wire/frame_reader.h"
+
+namespace hixl::engine {
+
+using namespace detail;
+
+namespace {
+// A control frame whose first byte arrived must be complete within this, or its link is closed: the
+// bound the progress thread's blocking read of a frame had before it read incrementally, so a peer
+// that was fine then is fine now (a frame is written whole; only a hung or hostile peer stops
+// inside one). It holds up no other link meanwhile.
+constexpr milliseconds kFrameCompleteBound{2000};
+constexpr size_t kControlReadBytes = 64 * 1024;  // one read per link and round: a flood holds up no one
+}  // namespace
+
+void Engine::push_regions() {
+  std::vector<std::shared_ptr<Link>> links = links_.all();
+  if (links.empty()) return;
+  std::lock_guard<std::mutex> g(push_mu_);  // the snapshot below is at least as new as any sent before
+  wire::Control c;
+  c.type = wire::FrameType::kRegions;
+  c.regions = registry_.regions(&c.version);
+  c.extents = registry_.extents();
+  for (auto& l : links) {
+    try {
+      l->send(c, Clock::now() + milliseconds(1000));
+    } catch (const std::exception& e) {
+      log::warn("region update to " + l->key + " failed: " + e.what());
+    }
+  }
+}
+
+void Engine::handle_frame(const std::shared_ptr<Link>& link, const wire::Control& c) {
+  auto until = Clock::now() + milliseconds(1000);
+  switch (c.type) {
+    case wire::FrameType::kNotify: {
+      wire::Control ack;
+      ack.type = wire::FrameType::kNotifyAck;
+      ack.seq = c.seq;
+      ack.status = uint32_t(inbox_.offer_notify(link->key, c.name, c.text));  // too long: a hostile or broken peer
+      link->send(ack, until);
+      break;
+    }
+    case wire::FrameType::kNotifyAck:
+    case wire::FrameType::kAbortAck: link->deliver(c); break;
+    case wire::FrameType::kRegions:
+      link->set_regions(c.regions, c.version);
+      if (link->shm) link->shm->set_extents(c.extents);
+      if (c.seq) link->deliver(c);
+      break;
+    case wire::FrameType::kRegionsReq: {
+      wire::Control r;
+      r.type = wire::FrameType::kRegions;
+      r.seq = c.seq;
+      r.regions = registry_.regions(&r.version);
+      r.extents = registry_.extents();
+      link->send(r, until);
+      break;
+    }
+    case wire::FrameType::kAbort: {
+      if (link->path) link->path->close();  // our side stopped before we confirm: nothing more lands here
+      wire::Control ack;
+      ack.type = wire::FrameType::kAbortAck;
+      ack.seq = c.seq;
+      try {
+        link->send(ack, until);
+      } catch (const std::exception&) {
+      }
+      remove_link(link, "peer aborted the link: " + c.text);
+      break;
+    }
+    case wire::FrameType::kBye: remove_link(link, "peer disconnected: " + c.text); break;
+    case wire::FrameType::kFlag: inbox_.push_flag(link->key, c.status); break;
+    case wire::FrameType::kPing: {
+      wire::Control pong;
+      pong.type = wire::FrameType::kPong;
+      link->send(pong, until);
+      break;
+    }
+    case wire::FrameType::kPong: break;  // progress_loop() noted that the peer is alive
+    default: throw Error("unexpected control frame type " + std::to_string(int(c.type)));
+  }
+}
+
+void Engine::read_control(const std::shared_ptr<Link>& link) {
+  uint8_t buf[kControlReadBytes];
+  ssize_t n;
+  do n = ::recv(link->ctrl.fd(), buf, sizeof buf, MSG_DONTWAIT);
+  while (n < 0 && errno == EINTR);
+  if (n < 0) {
+    if (errno == EAGAIN || errno == EWOULDBLOCK) return;
+    throw_errno(CallDesc("recv").arg("fd", link->ctrl.fd()).str(), errno);
+  }
+  wire::FrameReader& rx = link->rx;
+  if (n == 0)
+    throw Error("peer closed the connection" +
+                    (rx.pending_bytes() ? " in the middle of a frame (" + rx.describe_pending() + " had arrived)"
+                                        : std::string()),
+                ECONNRESET);
+  const bool continued = rx.pending_bytes() > 0;
+  bool completed = false;
+  for (size_t used = 0; used < size_t(n);) {
+    used += rx.feed(buf + used, size_t(n) - used);  // throws on a header the blocking reads refuse too
+    if (!rx.has_frame()) continue;
+    wire::Frame f = rx.take();
+    completed = true;
+    link->heard();
+    handle_frame(link, wire::parse_control(f.header.type, f.payload.data(), f.payload.size()));
+    if (link->is_down()) return;  // a goodbye or an abort: what follows is not for us
+  }
+  if (rx.pending_bytes() && (completed || !continued)) link->rx_since = Clock::now();  // a new frame began
+  link->publish_rx();
+}
+
+void Engine::close_if_frame_stuck(const std::shared_ptr<Link>& link, Clock::time_point now) {
+  if (!link->rx.pending_bytes() || now - link->rx_since < kFrameCompleteBound || link->is_down()) return;
+  const auto ms = std::chrono::duration_cast<milliseconds>(now - link->rx_since).count();
+  const std::string why = "a control frame incomplete for " + std::to_string(ms) + " ms (the bound is " +
+                          std::to_string(kFrameCompleteBound.count()) + " ms): " + link->rx.describe_pending() +
+                          " arrived, then nothing: the peer is hung or broken";
+  log::warn("engine " + name_ + ": link to " + link->key + ": " + why + "; closing it");
+  remove_link(link, why);
+}
+
+void Engine::progress_loop() {
+  std::vector<pollfd> pfds;
+  std::vector<std::shared_ptr<Link>> polled;
+  while (!stop_) {
+    pfds.clear();
+    polled.clear();
+    pfds.push_back({wake_fd_, POLLIN, 0});
+    for (auto& l : links_.all()) {
+      pfds.push_back({l->ctrl.fd(), POLLIN, 0});
+      polled.push_back(std::move(l));
+    }
+    // Asleep no longer than until the first incomplete frame's bound.
+    auto wait = milliseconds(1000);
+    for (auto& l : polled)
+      if (l->rx.pending_bytes())
+        wait = std::min(wait, std::chrono::ceil<milliseconds>(std::max(l->rx_since + kFrameCompleteBound - Clock::now(),
+                                                                       Clock::duration::zero())));
+    int rc = ::poll(pfds.data(), pfds.size(), int(wait.count()));
+    if (stop_) break;
+    if (rc < 0) {
+      if (errno != EINTR) log::warn("engine progress: " + errno_str(errno));
+      continue;
+    }
+    if (pfds[0].revents) {
+      uint64_t v;
+      ssize_t n = ::read(wake_fd_, &v, sizeof v);
+      (void)n;
+    }
+    const size_t base = 1;
+    for (size_t i = 0; i < polled.size(); ++i) {
+      if (!pfds[base + i].revents) continue;
+      auto& link = polled[i];
+      try {
+        read_control(link);
+      } catch (const std::exception& e) {
+        if (!link->is_down()) remove_link(link, std::string("control connection lost: ") + e.what());
+      }
+    }
+    const auto now = Clock::now();
+    for (auto& link : polled) close_if_frame_stuck(link, now);
+  }
+}
+
+// ------------------------------------------------------------------------------ watchdog thread
+// Its own thread: a ping to a peer that stopped reading may block for up to one interval, and an
+// abort waits seconds for the peer's confirmation (that runs on a worker), neither of which may hold
+// up the progress thread's frames or anyone's handshake.
+void Engine::watchdog_loop() {
+  const int hb = opts_.heartbeat_ms;
+  const auto tick = milliseconds(hb > 0 ? std::clamp(hb / 4, 10, 100) : 100);
+  std::unique_lock<std::mutex> lk(watchdog_mu_);
+  while (!stop_) {
+    watchdog_cv_.wait_for(lk, tick, [&] { return stop_.load(); });
+    if (stop_) break;
+    lk.unlock();
+    try {
+      heartbeat();
+      expire_requests();
+    } catch (const std::exception& e) {
+      log::warn("engine " + name_ + ": watchdog: " + e.what());
+    }
+    lk.lock();
+  }
+}
+
+void Engine::heartbeat() {
+  const int hb = opts_.heartbeat_ms;
+  if (hb <= 0) return;
+  const auto limit = milliseconds(int64_t(hb) * opts_.heartbeat_misses);
+  for (auto& link : links_.all()) {
+    if (stop_) return;
+    auto now = Clock::now();
+    const auto silent = link->silent_for(now);
+    if (silent > limit) {
+      const std::string why = "no frame from the peer for " + std::to_string(silent.count()) + " ms (a ping every " +
+                              std::to_string(hb) + " ms, " + std::to_string(opts_.heartbeat_misses) +
+                              " intervals without an answer): the peer is hung, stopped or unreachable" +
+                              link->pending_note();
+      log::warn("engine " + name_ + ": link to " + link->key + ": " + why + "; closing it");
+      remove_link(link, why);
+      continue;
+    }
+    if (now - link->last_ping < milliseconds(hb)) continue;
+    wire::Control ping;
+    ping.type = wire::FrameType::kPing;
+    try {
+      // A peer that stopped reading: the send gives up after one interval and the link goes.
+      if (link->try_send(ping, now + milliseconds(hb))) link->last_ping = now;
+    } catch (const std::exception& e) {
+      log::info("engine " + name_ + ": heartbeat ping to " + link->key + ": " + e.what());
+    }
+  }
+}
+
+void Engine::expire_requests() {
+  std::vector<std::shared_ptr<Link>> to_abort = requests_.expire(Clock::now());
+  for (auto& link : to_abort) {
+    log::warn("engine " + name_ + ": an async request to " + link->key + " passed its deadline; aborting the link");
+    try {
+      spawn([this, link] { requests_.finish_expired(link, abort_link(link, "an async request passed its deadline")); });
+    } catch (const std::exception& e) {  // finalizing: no abort, the link goes with the engine
+      requests_.finish_expired(link, false);
+    }
+  }
+}
+
+}  // namespace hixl::engine

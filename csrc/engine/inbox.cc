@@ -1,0 +1,109 @@
+#include "engine/inbox.h"
+
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <chrono>
+
+#include "verbs/error.h"
+#include "verbs/log.h"
+
+namespace hixl::engine {
+
+Inbox::~Inbox() {
+  if (flag_fd_ >= 0) ::close(flag_fd_);
+}
+
+void Inbox::open(const std::string& owner) {
+  owner_ = owner;
+  if (flag_fd_ >= 0) return;
+  int fd = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (fd < 0) throw_errno("eventfd", errno);
+  flag_fd_ = fd;
+}
+
+int Inbox::offer_notify(const std::string& peer, std::string name, std::string msg) {
+  if (name.size() > kMaxNotifyBytes || msg.size() > kMaxNotifyBytes) return kParamInvalid;
+  std::lock_guard<std::mutex> g(notify_mu_);
+  size_t& unread = unread_[peer];  // per peer, so reconnecting does not reset it
+  if (unread >= kMaxUnreadNotifies) return kResourceExhausted;
+  ++unread;
+  notifies_.push_back({std::move(name), std::move(msg)});
+  notify_cv_.notify_all();
+  return kSuccess;
+}
+
+std::vector<Notify> Inbox::take_notifies() {
+  std::lock_guard<std::mutex> g(notify_mu_);
+  std::vector<Notify> out(std::make_move_iterator(notifies_.begin()), std::make_move_iterator(notifies_.end()));
+  notifies_.clear();
+  unread_.clear();
+  return out;
+}
+
+void Inbox::wait_notifies(int timeout_ms) {
+  std::unique_lock<std::mutex> lk(notify_mu_);
+  auto pred = [&] { return !notifies_.empty() || closed_; };
+  if (timeout_ms < 0)
+    notify_cv_.wait(lk, pred);
+  else
+    notify_cv_.wait_for(lk, std::chrono::milliseconds(timeout_ms), pred);
+}
+
+void Inbox::push_flag(const std::string& peer, uint32_t value) {
+  std::lock_guard<std::mutex> g(flag_mu_);
+  if (flags_.size() >= kMaxPendingFlags) {
+    log::error("engine " + owner_ + ": " + std::to_string(flags_.size()) +
+               " completion flags pending, nobody reads them: dropping flag " + std::to_string(value) + " from " + peer);
+    return;
+  }
+  if (flags_.empty() && flag_fd_ >= 0) {
+    uint64_t one = 1;
+    ssize_t rc = ::write(flag_fd_, &one, sizeof one);
+    (void)rc;
+  }
+  flags_.push_back({peer, value});
+  flag_cv_.notify_all();
+}
+
+std::vector<FlagEvent> Inbox::take_flags_locked(size_t max) {
+  std::vector<FlagEvent> out;
+  while (!flags_.empty() && out.size() < max) {
+    out.push_back(std::move(flags_.front()));
+    flags_.pop_front();
+  }
+  if (flags_.empty() && !out.empty() && flag_fd_ >= 0) {
+    uint64_t v;
+    ssize_t rc = ::read(flag_fd_, &v, sizeof v);  // back to "not readable"
+    (void)rc;
+  }
+  return out;
+}
+
+std::vector<FlagEvent> Inbox::poll_flags(size_t max) {
+  std::lock_guard<std::mutex> g(flag_mu_);
+  return take_flags_locked(max);
+}
+
+bool Inbox::wait_flags(size_t max, int timeout_ms, std::vector<FlagEvent>* out) {
+  std::unique_lock<std::mutex> lk(flag_mu_);
+  auto pred = [&] { return !flags_.empty() || closed_; };
+  if (timeout_ms < 0)
+    flag_cv_.wait(lk, pred);
+  else
+    flag_cv_.wait_for(lk, std::chrono::milliseconds(timeout_ms), pred);
+  if (closed_) return false;
+  *out = take_flags_locked(max);
+  return true;
+}
+
+void Inbox::close() {
+  {
+    std::scoped_lock g(notify_mu_, flag_mu_);
+    closed_ = true;
+  }
+  notify_cv_.notify_all();
+  flag_cv_.notify_all();
+}
+
+}  // namespace hixl::engine

@@ -1,0 +1,173 @@
+// A link: everything this engine holds for one connected peer. It owns its control connection (and
+// the progress thread's incremental reader of it), its data path (rdma queue pair, shm or tcp), the
+// cache of the peer's regions and the replies someone waits for. Its lock `mu` guards the region
+// cache, the replies and `down`; `send_mu` serialises frames on the control connection. Neither is
+// ever held while taking an engine part's lock.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "engine/internal.h"
+#include "engine/region_table.h"
+#include "transport/data_path.h"
+#include "transport/oob.h"
+#include "transport/rdma_endpoint.h"
+#include "wire/control.h"
+#include "wire/frame_reader.h"
+
+namespace hixl::transport {
+class ShmPath;
+class TcpPath;
+}  // namespace hixl::transport
+
+namespace hixl::engine {
+
+using detail::Clock;
+using detail::milliseconds;
+
+// A peer's region list as a searchable table (the id of each entry is its position in the list).
+inline std::vector<RegionEntry> to_entries(const std::vector<wire::Region>& regions) {
+  std::vector<RegionEntry> out;
+  out.reserve(regions.size());
+  for (size_t i = 0; i < regions.size(); ++i)
+    out.push_back({regions[i].addr, regions[i].len, regions[i].rkey, regions[i].access, i});
+  return out;
+}
+
+class Link {
+ public:
+  std::string key;
+  bool initiator = false;
+  uint64_t id = 0;  // random, chosen by the initiator: TCP data connections name it (wire Attach)
+  uint64_t peer_instance = 0;
+  wire::Transport transport = wire::Transport::kNone;
+  std::shared_ptr<transport::DataPath> path;  // what moves the bytes
+  std::shared_ptr<rdma::Endpoint> ep;          // rdma only (for link_info)
+  transport::ShmPath* shm = nullptr;           // shm only: region extents go here
+  transport::TcpPath* tcp = nullptr;           // tcp only: data connections attach here
+  oob::Socket ctrl;
+
+  std::mutex send_mu;  // one frame at a time on ctrl (the progress thread is its only reader)
+
+  std::mutex mu;  // below
+  std::condition_variable cv;
+  RegionTable remote;
+  uint64_t remote_version = 0;
+  std::set<uint64_t> pending;                 // seqs someone waits a reply for
+  std::map<uint64_t, wire::Control> replies;  // only for pending seqs: nothing unsolicited piles up
+  uint64_t next_seq = 1;
+  bool down = false;
+  std::string down_reason;
+
+  // Heartbeat: when the progress thread last read a frame of the peer's (Clock ticks), and when the
+  // watchdog last sent a Ping. aborting: the watchdog started an abort for an expired request.
+  std::atomic<Clock::rep> last_rx{0};
+  Clock::time_point last_ping{};
+  std::atomic<bool> aborting{false};
+  void heard() { last_rx = Clock::now().time_since_epoch().count(); }
+  milliseconds silent_for(Clock::time_point now) const {
+    return std::chrono::duration_cast<milliseconds>(now - Clock::time_point(Clock::duration(last_rx.load())));
+  }
+
+  // The progress thread's reading of ctrl (only it touches rx and rx_since): the frame in progress,
+  // and when its first byte arrived. rx_pending_* mirror rx for the heartbeat's message (0: none;
+  // type 0: its header is incomplete).
+  wire::FrameReader rx;
+  Clock::time_point rx_since{};
+  std::atomic<size_t> rx_pending_bytes{0};
+  std::atomic<uint16_t> rx_pending_type{0};
+  void publish_rx() {
+    rx_pending_bytes = rx.pending_bytes();
+    rx_pending_type = rx.pending_header() ? uint16_t(rx.pending_header()->type) : 0;
+  }
+  // For messages: "" or "; 21 bytes of a Notify frame (type 7) pending, incomplete".
+  std::string pending_note() const {
+    const size_t n = rx_pending_bytes;
+    if (!n) return "";
+    const uint16_t t = rx_pending_type;
+    return "; " + std::to_string(n) + " bytes of " +
+           (t ? std::string("a ") + wire::frame_type_name(wire::FrameType(t)) + " frame (type " + std::to_string(t) + ")"
+              : std::string("a frame header")) +
+           " pending, incomplete";
+  }
+  bool is_down() {
+    std::lock_guard<std::mutex> g(mu);
+    return down;
+  }
+
+  // A frame that could not be sent whole leaves the stream unusable: shut the socket down so the
+  // progress thread retires the link, and report the failure.
+  void send(const wire::Control& c, Clock::time_point deadline) {
+    auto bytes = wire::encode_control(c);
+    deadline = std::min(deadline, Clock::now() + milliseconds(5000));  // a peer that stops reading
+    std::lock_guard<std::mutex> g(send_mu);
+    try {
+      oob::send_all(ctrl, bytes, deadline);
+    } catch (...) {
+      ctrl.shutdown();
+      throw;
+    }
+  }
+  // As send(), but false at once (nothing sent) while another frame is being sent: the heartbeat
+  // never queues behind a handshake's READY or a slow region push, which count as traffic anyway.
+  bool try_send(const wire::Control& c, Clock::time_point deadline) {
+    std::unique_lock<std::mutex> g(send_mu, std::try_to_lock);
+    if (!g.owns_lock()) return false;
+    auto bytes = wire::encode_control(c);
+    try {
+      oob::send_all(ctrl, bytes, std::min(deadline, Clock::now() + milliseconds(5000)));
+    } catch (...) {
+      ctrl.shutdown();
+      throw;
+    }
+    return true;
+  }
+  // A new sequence number whose reply wait_reply() will collect.
+  uint64_t expect() {
+    std::lock_guard<std::mutex> g(mu);
+    uint64_t seq = next_seq++;
+    pending.insert(seq);
+    return seq;
+  }
+  void forget(uint64_t seq) {
+    std::lock_guard<std::mutex> g(mu);
+    pending.erase(seq);
+    replies.erase(seq);
+  }
+  void deliver(const wire::Control& c) {
+    std::lock_guard<std::mutex> g(mu);
+    if (!pending.count(c.seq)) return;  // late (its waiter gave up) or unsolicited
+    replies[c.seq] = c;
+    cv.notify_all();
+  }
+  // The reply to `seq`; nullopt when the deadline passed or the link went down first.
+  std::optional<wire::Control> wait_reply(uint64_t seq, Clock::time_point deadline, bool* went_down) {
+    std::unique_lock<std::mutex> lk(mu);
+    cv.wait_until(lk, deadline, [&] { return down || replies.count(seq); });
+    pending.erase(seq);
+    auto it = replies.find(seq);
+    if (it == replies.end()) {
+      if (went_down) *went_down = down;
+      return std::nullopt;
+    }
+    wire::Control c = std::move(it->second);
+    replies.erase(it);
+    return c;
+  }
+  void set_regions(const std::vector<wire::Region>& regions, uint64_t version) {
+    std::lock_guard<std::mutex> g(mu);
+    if (version < remote_version) return;  // an older list overtaken by a newer one
+    remote_version = version;
+    remote.assign(to_entries(regions));
+  }
+};
+
+}  // namespace hixl::engine

@@ -1,0 +1,127 @@
+#include "engine/link_table.h"
+
+namespace hixl::engine {
+
+std::shared_ptr<Link> LinkTable::find(const std::string& key) const {
+  std::lock_guard<std::mutex> g(mu_);
+  auto it = links_.find(key);
+  return it == links_.end() ? nullptr : it->second;
+}
+
+std::vector<std::shared_ptr<Link>> LinkTable::all() const {
+  std::lock_guard<std::mutex> g(mu_);
+  std::vector<std::shared_ptr<Link>> out;
+  out.reserve(links_.size());
+  for (auto& [k, l] : links_) out.push_back(l);
+  return out;
+}
+
+std::vector<std::string> LinkTable::keys() const {
+  std::lock_guard<std::mutex> g(mu_);
+  std::vector<std::string> out;
+  for (auto& [k, l] : links_) out.push_back(k);
+  return out;
+}
+
+bool LinkTable::empty() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return links_.empty();
+}
+
+int LinkTable::claim_outgoing(const std::string& key) {
+  std::lock_guard<std::mutex> g(mu_);
+  if (closed_) return detail::fail(kFailed, "connect: engine is not initialized");
+  if (links_.count(key)) return detail::fail(kAlreadyConnected, "connect: already connected to " + key);
+  if (connecting_.count(key) || incoming_.count(key))
+    return detail::fail(kAlreadyConnected, "connect: a handshake with " + key + " is in progress");
+  connecting_.insert(key);
+  return kSuccess;
+}
+
+void LinkTable::release_outgoing(const std::string& key) {
+  std::lock_guard<std::mutex> g(mu_);
+  connecting_.erase(key);
+}
+
+std::string LinkTable::claim_incoming(const std::string& key, const std::string& self, bool peer_listens,
+                                      uint64_t peer_instance, int* code) {
+  std::lock_guard<std::mutex> g(mu_);
+  *code = kFailed;
+  if (closed_) return self + " is finalizing";
+  *code = kParamInvalid;
+  if (key == self) return "peer claims this engine's own name " + self;
+  *code = kAlreadyConnected;
+  auto it = links_.find(key);
+  // A Connect from a peer we have a link to means that peer dropped its end (a disconnect whose
+  // goodbye is still in flight, or a restart): the new connection supersedes the old one. Only a
+  // second client-only engine from the same IP (same name, another instance) is refused.
+  if (it != links_.end() && !peer_listens && it->second->peer_instance != peer_instance)
+    return "another client-only engine from " + key + " is connected to " + self +
+           "; give each client a port to tell them apart";
+  if (incoming_.count(key)) return "a handshake from " + key + " is in progress";
+  // Both ends connecting to each other at once: the smaller name's outgoing connect wins.
+  if (connecting_.count(key) && self < key) return self + " is connecting to " + key + " itself";
+  incoming_.insert(key);
+  *code = kSuccess;
+  return "";
+}
+
+void LinkTable::release_incoming(const std::string& key) {
+  std::lock_guard<std::mutex> g(mu_);
+  incoming_.erase(key);
+}
+
+bool LinkTable::publish(const std::shared_ptr<Link>& link, std::shared_ptr<Link>* superseded) {
+  std::lock_guard<std::mutex> g(mu_);
+  if (closed_) return false;
+  auto it = links_.find(link->key);
+  if (it != links_.end()) {
+    if (!superseded) return false;
+    *superseded = it->second;  // the caller retires it (outside mu_)
+  }
+  links_[link->key] = link;
+  if (!link->initiator) incoming_.erase(link->key);  // the incoming handshake's claim ends with the publication
+  closed_links_.erase(link->key);
+  return true;
+}
+
+void LinkTable::unpublish(const std::shared_ptr<Link>& link, const std::string& why, bool by_disconnect) {
+  std::lock_guard<std::mutex> g(mu_);
+  auto it = links_.find(link->key);
+  if (it != links_.end() && it->second == link) {
+    links_.erase(it);
+    if (!by_disconnect) {
+      if (closed_links_.size() >= kMaxClosedRecords && !closed_links_.count(link->key))
+        closed_links_.erase(closed_links_.begin());
+      closed_links_[link->key] = {link->id, why};
+    }
+  }
+  if (by_disconnect) {  // also when the peer's goodbye got here first: this link is disconnected now
+    auto c = closed_links_.find(link->key);
+    if (c != closed_links_.end() && c->second.first == link->id) closed_links_.erase(c);
+  }
+}
+
+bool LinkTable::take_closed(const std::string& key, std::string* why) {
+  std::lock_guard<std::mutex> g(mu_);
+  auto c = closed_links_.find(key);
+  if (c == closed_links_.end()) return false;
+  *why = std::move(c->second.second);
+  closed_links_.erase(c);
+  return true;
+}
+
+std::map<std::string, std::shared_ptr<Link>> LinkTable::close() {
+  std::lock_guard<std::mutex> g(mu_);
+  closed_ = true;
+  std::map<std::string, std::shared_ptr<Link>> out;
+  out.swap(links_);
+  return out;
+}
+
+void LinkTable::clear() {
+  std::lock_guard<std::mutex> g(mu_);
+  links_.clear();
+}
+
+}  // namespace hixl::engine

@@ -1,0 +1,66 @@
+// The link table: the current link to each peer (by canonical name), the claims of handshakes in
+// progress on peer names (ours and theirs), and the records of links that ended without our
+// disconnect(). Publishing a link ends its handshake's claim; a newer link from the same peer
+// supersedes the old one (the caller retires it).
+//
+// Lock: `mu_`, guarding everything here. A Link's own locks may be taken while it is held, never
+// the other way round.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "engine/link.h"
+
+namespace hixl::engine {
+
+class LinkTable {
+ public:
+  std::shared_ptr<Link> find(const std::string& key) const;
+  std::vector<std::shared_ptr<Link>> all() const;
+  std::vector<std::string> keys() const;
+  bool empty() const;
+
+  // Our connect() to `key` may start (kSuccess, and key is claimed), or why not: kAlreadyConnected
+  // (a link or a handshake exists), kFailed (closed). Messages name the call.
+  int claim_outgoing(const std::string& key);
+  void release_outgoing(const std::string& key);
+  // A peer's handshake with us may go on: "" (and key is claimed until publish()), else the reason
+  // and the status to refuse it with. self: this engine's name; peer_listens: the peer has a port;
+  // peer_instance: its engine instance.
+  std::string claim_incoming(const std::string& key, const std::string& self, bool peer_listens, uint64_t peer_instance,
+                             int* code);
+  void release_incoming(const std::string& key);
+
+  // Publishes a link whose path is built: false when the table is closed, or when a link to that
+  // peer exists and superseded is null; else *superseded gets the replaced link. Ends an incoming
+  // claim and forgets the peer's closed record.
+  bool publish(const std::shared_ptr<Link>& link, std::shared_ptr<Link>* superseded);
+  // Takes the link out if it is still the current one. by_disconnect: our own disconnect(); any
+  // other end is remembered (bounded), so that the user's later disconnect() still succeeds.
+  void unpublish(const std::shared_ptr<Link>& link, const std::string& why, bool by_disconnect);
+  // Consumes the record of key's link that ended without our disconnect(): true (and why) if one was there.
+  bool take_closed(const std::string& key, std::string* why);
+
+  // Finalize: every link is taken out and returned; publish() and claims fail from now on.
+  std::map<std::string, std::shared_ptr<Link>> close();
+  void clear();  // after close(): drops whatever is left
+
+ private:
+  static constexpr size_t kMaxClosedRecords = 4096;
+  mutable std::mutex mu_;
+  bool closed_ = false;
+  std::map<std::string, std::shared_ptr<Link>> links_;  // by canonical peer name
+  std::set<std::string> connecting_;                    // our outgoing handshakes
+  std::set<std::string> incoming_;                      // handshakes peers started with us
+  // peer -> (link id, why): links that ended without our disconnect() (peer's goodbye or finalize,
+  // failure, abort). connect() clears it.
+  std::map<std::string, std::pair<uint64_t, std::string>> closed_links_;
+};
+
+}  // namespace hixl::engine

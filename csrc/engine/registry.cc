@@ -1,0 +1,150 @@
+#include "engine/registry.h"
+
+#include "acl/allocator.h"
+#include "engine/internal.h"
+#include "verbs/error.h"
+
+namespace hixl::engine {
+
+using detail::fail;
+using detail::ok;
+
+std::pair<int, uint64_t> Registry::same_range(uint64_t handle, uint64_t addr, uint64_t len, uint32_t access) const {
+  const LocalRegion& r = regions_.at(handle);
+  if (r.access != access)
+    return {fail(kParamInvalid, CallDesc("register_mem").hex("addr", addr).arg("len", len).hex("access", access).str() +
+                                    ": already registered with access " + std::to_string(r.access) +
+                                    " (deregister it first)"),
+            0};
+  return {ok(), handle};
+}
+
+std::pair<int, uint64_t> Registry::add(uint64_t addr, uint64_t len, MemType type, uint32_t access, bool* added) {
+  *added = false;
+  if (addr == 0 || len == 0 || addr + len < addr)
+    return {fail(kParamInvalid, CallDesc("register_mem").hex("addr", addr).arg("len", len).str() +
+                                    ": need a non-null address, length > 0, no wrap-around"),
+            0};
+  if (type != MemType::kDevice && type != MemType::kHost)
+    return {fail(kParamInvalid, "register_mem: unknown mem type " + std::to_string(int(type))), 0};
+  if (access & ~uint32_t(wire::kRemoteRead | wire::kRemoteWrite))
+    return {fail(kParamInvalid, CallDesc("register_mem").hex("access", access).str() +
+                                    ": access must combine REMOTE_READ (1) and REMOTE_WRITE (2) only"),
+            0};
+  {
+    std::lock_guard<std::mutex> g(mu_);  // the same range again: the same handle
+    auto it = by_range_.find({addr, len});
+    if (it != by_range_.end()) return same_range(it->second, addr, len, access);
+  }
+  std::shared_ptr<verbs::MemoryRegion> mr;  // made outside mu_: ibv_reg_mr pins pages, which takes time
+  if (pd_) {
+    try {
+      // LOCAL_WRITE always: a region is also the destination of our own READs.
+      int flags = IBV_ACCESS_LOCAL_WRITE | (access & wire::kRemoteWrite ? IBV_ACCESS_REMOTE_WRITE : 0) |
+                  (access & wire::kRemoteRead ? IBV_ACCESS_REMOTE_READ : 0);
+      mr = std::make_shared<verbs::MemoryRegion>(pd_, reinterpret_cast<void*>(addr), size_t(len), flags);
+    } catch (const Error& e) {
+      int code = (e.err() == EFAULT || e.err() == EINVAL) ? kParamInvalid : kFailed;
+      return {fail(code, e.what()), 0};
+    }
+  }
+  std::lock_guard<std::mutex> g(mu_);
+  if (closed_) return {fail(kFailed, "register_mem: the engine was finalized meanwhile"), 0};
+  auto it = by_range_.find({addr, len});
+  if (it != by_range_.end()) return same_range(it->second, addr, len, access);  // another thread won the race
+  const uint64_t handle = next_handle_++;
+  ++version_;
+  LocalRegion lr{addr, len, type, access, mr};
+  if (auto info = acl::lookup(reinterpret_cast<const void*>(addr));
+      info && info->fd >= 0 && addr + len <= info->base + info->size) {
+    lr.fd = info->fd;  // the shim's memfd: same-host peers map it instead of cross-memory attach
+    lr.fd_offset = info->offset;
+  }
+  regions_[handle] = lr;
+  by_range_[{addr, len}] = handle;
+  table_.insert({addr, len, mr ? mr->lkey() : 0, access, handle});
+  *added = true;
+  return {ok(), handle};
+}
+
+int Registry::remove(uint64_t handle, bool* removed) {
+  *removed = false;
+  std::shared_ptr<verbs::MemoryRegion> mr;  // released after mu_ (ibv_dereg_mr can be slow)
+  std::unique_lock<std::shared_mutex> data(data_mu_);  // a tcp peer's write into it finishes first
+  std::lock_guard<std::mutex> g(mu_);
+  if (handle == 0 || handle >= next_handle_)
+    return fail(kParamInvalid, "deregister_mem(handle=" + std::to_string(handle) + "): never issued");
+  auto it = regions_.find(handle);
+  if (it == regions_.end()) return ok();  // already deregistered: idempotent
+  mr = std::move(it->second.mr);
+  ++version_;
+  by_range_.erase({it->second.addr, it->second.len});
+  table_.erase(handle);
+  regions_.erase(it);
+  *removed = true;
+  return ok();
+}
+
+std::vector<wire::Region> Registry::regions(uint64_t* version) const {
+  std::lock_guard<std::mutex> g(mu_);
+  if (version) *version = version_;
+  std::vector<wire::Region> out;
+  out.reserve(regions_.size());
+  for (const auto& [h, r] : regions_) {
+    (void)h;
+    out.push_back({r.addr, r.len, r.mr ? r.mr->rkey() : 0, r.access});
+  }
+  return out;
+}
+
+std::vector<wire::Extent> Registry::extents() const {
+  std::lock_guard<std::mutex> g(mu_);
+  std::vector<wire::Extent> out;
+  for (const auto& [h, r] : regions_)
+    if (r.fd >= 0) out.push_back({r.addr, r.len, r.fd_offset, uint32_t(r.fd)});
+  return out;
+}
+
+int Registry::resolve_local(const std::vector<OpDesc>& descs, std::vector<rdma::Desc>* out) const {
+  out->resize(descs.size());
+  std::lock_guard<std::mutex> g(mu_);
+  const RegionEntry* last = nullptr;
+  for (size_t i = 0; i < descs.size(); ++i) {
+    const OpDesc& d = descs[i];
+    if (d.len == 0 || d.local_addr + d.len < d.local_addr || d.remote_addr + d.len < d.remote_addr)
+      return fail(kParamInvalid, CallDesc("transfer").arg("desc", i).hex("local_addr", d.local_addr)
+                                     .hex("remote_addr", d.remote_addr).arg("len", d.len).str() +
+                                     ": empty or wrapping range");
+    if (!(last && last->contains(d.local_addr, d.len))) last = table_.find(d.local_addr, d.len, 0);
+    if (!last)
+      return fail(kParamInvalid, CallDesc("transfer").arg("desc", i).hex("local_addr", d.local_addr)
+                                     .arg("len", d.len).str() + ": local range is not inside a registered region");
+    rdma::Desc& r = (*out)[i];
+    r.local_addr = d.local_addr;
+    r.remote_addr = d.remote_addr;
+    r.length = d.len;
+    r.lkey = last->key;
+    r.has_lkey = true;
+  }
+  return kSuccess;
+}
+
+bool Registry::allows(uint64_t addr, uint64_t len, uint32_t access) const {
+  std::lock_guard<std::mutex> g(mu_);
+  return table_.find(addr, len, access) != nullptr;
+}
+
+void Registry::close() {
+  std::lock_guard<std::mutex> g(mu_);
+  closed_ = true;
+  regions_.clear();
+  by_range_.clear();
+  table_.clear();
+}
+
+size_t Registry::size() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return regions_.size();
+}
+
+}  // namespace hixl::engine

@@ -1,0 +1,75 @@
+// The registry: this engine's local regions. It owns the registrations (their MRs on the shared
+// protection domain, the memfds same-host peers map), the range table every transfer is checked
+// against, the version peers use to keep the newest list, and the data lock.
+//
+// Locks: `mu_` guards everything here and is a leaf (nothing else is taken while it is held).
+// `data_mu_` is held shared while a tcp peer's request touches our memory and exclusively by
+// remove(), so that once remove() returns no tcp write lands in the region any more; it is taken
+// before `mu_`.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <shared_mutex>
+#include <utility>
+#include <vector>
+
+#include "engine/region_table.h"
+#include "engine/types.h"
+#include "verbs/resources.h"
+#include "wire/control.h"
+
+namespace hixl::engine {
+
+class Registry {
+ public:
+  // The protection domain MRs go on (null: no RDMA device; regions then have no MR). Set once, at
+  // the engine's initialize(), before any add().
+  void set_pd(std::shared_ptr<verbs::ProtectionDomain> pd) { pd_ = std::move(pd); }
+
+  // A handle for [addr, addr+len): the same one for the same range with the same access; kParamInvalid
+  // for bad arguments or the same range with other access. Status codes as Engine::register_mem.
+  // *added: a new registration (peers must learn it), not an existing handle.
+  std::pair<int, uint64_t> add(uint64_t addr, uint64_t len, MemType type, uint32_t access, bool* added);
+  // kSuccess (also for a handle already removed), kParamInvalid for one never issued.
+  // *removed: a registration went (peers must learn it).
+  int remove(uint64_t handle, bool* removed);
+
+  std::vector<wire::Region> regions(uint64_t* version = nullptr) const;  // for peers: addr, len, rkey, access
+  std::vector<wire::Extent> extents() const;                            // memfd-backed ones (same-host peers)
+  // Fills each descriptor's local half (address, length, lkey) from descs; kParamInvalid naming the
+  // first descriptor that is empty, wraps, or lies outside every registered region.
+  int resolve_local(const std::vector<OpDesc>& descs, std::vector<rdma::Desc>* out) const;
+  // A tcp peer's request: all of [addr, addr+len) inside one region that allows `access`.
+  bool allows(uint64_t addr, uint64_t len, uint32_t access) const;
+  std::shared_mutex* data_lock() { return &data_mu_; }
+
+  // The engine finalized (after every queue pair is gone): every registration is dropped and add()
+  // refuses from now on.
+  void close();
+  size_t size() const;
+
+ private:
+  struct LocalRegion {
+    uint64_t addr = 0, len = 0;
+    MemType type = MemType::kHost;
+    uint32_t access = wire::kRemoteRead | wire::kRemoteWrite;  // what peers may do (wire::RegionAccess)
+    std::shared_ptr<verbs::MemoryRegion> mr;  // null without an RDMA device
+    int fd = -1;              // memfd behind it (hixl.acl memory): same-host peers map it
+    uint64_t fd_offset = 0;
+  };
+  std::pair<int, uint64_t> same_range(uint64_t handle, uint64_t addr, uint64_t len, uint32_t access) const;
+
+  std::shared_ptr<verbs::ProtectionDomain> pd_;
+  mutable std::mutex mu_;
+  std::map<uint64_t, LocalRegion> regions_;
+  std::map<std::pair<uint64_t, uint64_t>, uint64_t> by_range_;
+  RegionTable table_;
+  uint64_t next_handle_ = 1;
+  uint64_t version_ = 1;  // bumped on every (de)registration; peers keep the newest list
+  bool closed_ = false;
+  std::shared_mutex data_mu_;
+};
+
+}  // namespace hixl::engine

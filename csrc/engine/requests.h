@@ -1,0 +1,68 @@
+// Requests: the async transfers the user has not yet seen end (transfer_async's ids), their
+// deadlines, and the expiry of those past them. A terminal status is reported exactly once: the
+// status calls consume it under the table's lock, so two threads polling one request cannot turn a
+// COMPLETED into "unknown request".
+//
+// Lock: `mu_` (with `cv_`: an expired request got its final status). A Link's `mu` may be taken
+// while it is held (to say why a link went down), never the other way round.
+#pragma once
+
+#include <condition_variable>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "engine/link.h"
+
+namespace hixl::engine {
+
+class Requests {
+ public:
+  // A submitted request on link's path (its path request id); deadline Clock::time_point::max(): none.
+  uint64_t add(std::shared_ptr<Link> link, uint64_t path_req, uint64_t user_data, int timeout_ms,
+               Clock::time_point deadline);
+
+  // Its status (consumed when terminal); nullopt for an id never issued or already reported.
+  std::optional<rdma::RequestResult> status(uint64_t id);
+  // The path and path request a waiter may block on without this lock (null path: unknown id).
+  std::pair<std::shared_ptr<transport::DataPath>, uint64_t> path_of(uint64_t id) const;
+  // Up to max_count requests, oldest first (terminal ones consumed); skip_waiting leaves out the rest.
+  std::vector<TransferResult> all(uint64_t max_count, bool skip_waiting);
+  // Until an expired request got its final status, or `until`.
+  void wait_change(Clock::time_point until);
+
+  // Marks the requests past their deadline at `now` that had not ended; returns their links (each
+  // once: the caller aborts them and then calls finish_expired()).
+  std::vector<std::shared_ptr<Link>> expire(Clock::time_point now);
+  // The abort of link ended: its expired requests report TIMEOUT (confirmed) or FAILED.
+  void finish_expired(const std::shared_ptr<Link>& link, bool confirmed);
+
+  void clear();
+
+ private:
+  struct Request {
+    std::shared_ptr<Link> link;
+    uint64_t path_req = 0;
+    uint64_t user_data = 0;
+    int timeout_ms = 0;                                     // 0: no deadline
+    Clock::time_point deadline = Clock::time_point::max();
+    bool expired = false;                                   // past its deadline, its link being aborted
+    int final_status = -1;                                  // set once that abort ended (TIMEOUT or FAILED)
+    std::string final_error;
+  };
+  // A request's status without consuming it from reqs_ (mu_ held); the path's is consumed.
+  rdma::RequestResult poll_locked(Request& r);
+  void erase_locked(std::map<uint64_t, Request>::iterator it);
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<uint64_t, Request> reqs_;
+  std::set<std::pair<Clock::time_point, uint64_t>> deadlines_;  // requests with one
+  uint64_t next_ = 1;
+};
+
+}  // namespace hixl::engine

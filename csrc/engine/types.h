@@ -1,0 +1,104 @@
+// The engine's public vocabulary: status codes, options, descriptors and what the engine reports.
+// Shared by the facade (engine.h), its parts and the Python binding.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "transport/rdma_endpoint.h"
+
+namespace hixl::engine {
+
+// CANN hixl status codes (values fixed by the public API).
+enum Code : int {
+  kSuccess = 0,
+  kParamInvalid = 103900,
+  kTimeout = 103901,
+  kNotConnected = 103902,
+  kAlreadyConnected = 103903,
+  kNotifyFailed = 103904,
+  kUnsupported = 103905,
+  kResourceExhausted = 203900,
+  kFailed = 503900,
+};
+const char* code_name(int code);
+
+enum class MemType : int { kDevice = 0, kHost = 1 };
+enum class TransferOp : int { kRead = 0, kWrite = 1 };
+using TransferStatus = rdma::Status;  // WAITING 0, COMPLETED 1, TIMEOUT 2, FAILED 3
+
+constexpr size_t kMaxUnreadNotifies = 4096;  // per peer; beyond that the sender gets RESOURCE_EXHAUSTED
+constexpr size_t kMaxNotifyBytes = 4096;     // name / message: 1024 characters of UTF-8
+
+struct Options {
+  std::string transport = "auto";  // auto (rdma > shm > tcp, as both ends allow) | rdma | shm | tcp
+  std::string device;              // RDMA device ("" -> $HIXL_DEVICE -> first ACTIVE)
+  int gid_index = -1;              // -1 -> $HIXL_GID_INDEX -> RoCEv2 IPv4-mapped
+  int traffic_class = -1;          // GRH traffic class (-1 = default 0)
+  int service_level = -1;          // SL (-1 = default 0)
+  bool auto_connect = false;
+  int handshake_timeout_ms = 5000;  // an accepted peer must finish its handshake within this
+  // transfer_async(): a request not complete this long after it was submitted ends (0: no deadline
+  // of its own; the heartbeat still ends it when the peer hangs). Its link is aborted as for a
+  // transfer_sync() TIMEOUT, and the request reports TIMEOUT once the peer confirmed it stopped
+  // too, else FAILED (within the 5 s an abort waits for that confirmation).
+  int async_timeout_ms = 60000;
+  // Heartbeat on every control connection: a Ping every heartbeat_ms (0: none), which the peer
+  // answers at once; a link that brings no frame at all for heartbeat_ms * heartbeat_misses is
+  // declared dead and closed (its requests end FAILED), also while idle. Only our own settings
+  // decide: a peer with other settings (or none) still answers our pings.
+  int heartbeat_ms = 1000;
+  int heartbeat_misses = 10;
+  // Shared secret ("" = none). With one, every connection to our listener must prove it before
+  // anything of ours is sent, and we connect only to peers that prove it too (auth/handshake.h).
+  // A connect() refused for it (missing or wrong token on either side, a server without one)
+  // returns kFailed, and last_error() says "authentication ..."; the refusing listener logs a
+  // warning naming the peer's address. The token itself is never logged or sent.
+  std::string auth_token;
+};
+
+// Handshakes served at once (each on its own thread, each bounded by handshake_timeout_ms): beyond
+// these, a new connection is refused at once (RESOURCE_EXHAUSTED), so slow or hostile peers cannot
+// pile up threads; one address may hold only part of them, so it cannot lock others out.
+constexpr int kMaxHandshakes = 256;
+constexpr int kMaxHandshakesPerHost = 32;
+
+struct OpDesc {
+  uint64_t local_addr = 0;
+  uint64_t remote_addr = 0;
+  uint64_t len = 0;
+};
+
+struct TransferResult {
+  uint64_t req = 0;
+  uint64_t user_data = 0;
+  int status = int(TransferStatus::kWaiting);
+};
+
+struct Notify {
+  std::string name;
+  std::string msg;
+};
+
+// A completion flag a peer attached to a WRITE: it arrives after every byte of that write (and of
+// every earlier request on the link) is in our memory.
+struct FlagEvent {
+  std::string peer;  // canonical name of the engine that wrote
+  uint32_t value = 0;
+};
+constexpr size_t kMaxPendingFlags = 1u << 20;  // beyond that, flags are dropped with an error logged
+
+struct LinkInfo {
+  std::string remote;
+  std::string transport;  // "rdma", "shm" or "tcp"
+  bool initiator = false;  // we called connect()
+  std::string device;
+  int gid_index = 0;
+  int path_mtu = 0;
+  uint32_t qpn = 0, remote_qpn = 0;
+  int traffic_class = 0, service_level = 0;  // as applied to the queue pair's address vector
+  size_t remote_regions = 0;
+};
+
+}  // namespace hixl::engine

@@ -1,0 +1,219 @@
+// The engine's parts, each alone (no device, no peer, no engine): the registry, the inbox, the
+// link table and the handshake limits. Their behaviour through the engine is covered by pytest.
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <thread>
+#include <vector>
+
+#include "check.h"
+#include "engine/handshakes.h"
+#include "engine/inbox.h"
+#include "engine/link_table.h"
+#include "engine/registry.h"
+
+using namespace hixl;
+using namespace hixl::engine;
+
+namespace {
+
+constexpr uint32_t kRW = wire::kRemoteRead | wire::kRemoteWrite;
+
+void registry() {
+  Registry r;  // no protection domain: regions without MRs (shm/tcp only)
+  std::vector<uint8_t> a(4096), b(4096);
+  const uint64_t pa = uint64_t(a.data()), pb = uint64_t(b.data());
+  bool changed = false;
+  // Bad arguments: PARAM_INVALID, nothing registered.
+  CHECK_EQ(r.add(0, 16, MemType::kHost, kRW, &changed).first, kParamInvalid);
+  CHECK_EQ(r.add(pa, 0, MemType::kHost, kRW, &changed).first, kParamInvalid);
+  CHECK_EQ(r.add(UINT64_MAX - 4, 16, MemType::kHost, kRW, &changed).first, kParamInvalid);
+  CHECK_EQ(r.add(pa, 16, MemType(7), kRW, &changed).first, kParamInvalid);
+  CHECK_EQ(r.add(pa, 16, MemType::kHost, 4, &changed).first, kParamInvalid);
+  CHECK(!changed && r.size() == 0);
+  uint64_t v0 = 0;
+  r.regions(&v0);
+  auto [rc, h1] = r.add(pa, a.size(), MemType::kHost, kRW, &changed);
+  CHECK(rc == kSuccess && h1 != 0 && changed);
+  // The same range again: the same handle, nothing new for peers; with other access: refused.
+  auto again = r.add(pa, a.size(), MemType::kHost, kRW, &changed);
+  CHECK(again.first == kSuccess && again.second == h1 && !changed);
+  CHECK_EQ(r.add(pa, a.size(), MemType::kHost, wire::kRemoteRead, &changed).first, kParamInvalid);
+  auto [rc2, h2] = r.add(pb, b.size(), MemType::kHost, wire::kRemoteRead, &changed);
+  CHECK(rc2 == kSuccess && h2 != h1);
+  uint64_t v1 = 0;
+  auto regions = r.regions(&v1);
+  CHECK(regions.size() == 2 && v1 > v0);
+  CHECK(r.extents().empty());  // no memfd behind plain heap memory
+  // Local resolution: inside one region; the first bad descriptor is named.
+  std::vector<rdma::Desc> out;
+  CHECK_EQ(r.resolve_local({{pa, 0x100, 64}, {pb + 8, 0x200, 8}}, &out), kSuccess);
+  CHECK(out.size() == 2 && out[1].local_addr == pb + 8 && out[1].length == 8 && out[1].has_lkey);
+  CHECK_EQ(r.resolve_local({{pa, 0x100, 64}, {pa + 4090, 0x200, 8}}, &out), kParamInvalid);
+  CHECK(detail::last_error().find("desc=1") != std::string::npos);
+  CHECK_EQ(r.resolve_local({{pa, 0x100, 0}}, &out), kParamInvalid);
+  // Access for tcp peers: b is read-only.
+  CHECK(r.allows(pa, 64, wire::kRemoteWrite) && r.allows(pb, 64, wire::kRemoteRead));
+  CHECK(!r.allows(pb, 64, wire::kRemoteWrite) && !r.allows(pa + 4000, 200, 0));
+  // Removal: idempotent for handles issued, refused for others; peers learn of it once.
+  CHECK(r.remove(h2, &changed) == kSuccess && changed);
+  CHECK(r.remove(h2, &changed) == kSuccess && !changed);
+  CHECK_EQ(r.remove(h2 + 100, &changed), kParamInvalid);
+  CHECK_EQ(r.remove(0, &changed), kParamInvalid);
+  uint64_t v2 = 0;
+  CHECK(r.regions(&v2).size() == 1 && v2 > v1);
+  CHECK(!r.allows(pb, 64, wire::kRemoteRead));
+  // Closed: everything dropped, no more registrations.
+  r.close();
+  CHECK(r.size() == 0 && r.add(pb, 64, MemType::kHost, kRW, &changed).first == kFailed && !changed);
+}
+
+bool readable(int fd) {
+  pollfd p{fd, POLLIN, 0};
+  return ::poll(&p, 1, 0) == 1;
+}
+
+void inbox() {
+  Inbox in;
+  CHECK_EQ(in.flag_fd(), -1);
+  in.open("test");
+  CHECK(in.flag_fd() >= 0 && !readable(in.flag_fd()));
+  // Notifies: per-peer limit on unread ones, kept until they are read; oversize refused.
+  for (size_t i = 0; i < kMaxUnreadNotifies; ++i) CHECK_EQ(in.offer_notify("a", "n", std::to_string(i)), kSuccess);
+  CHECK_EQ(in.offer_notify("a", "n", "over"), kResourceExhausted);
+  CHECK_EQ(in.offer_notify("b", "n", "other peer"), kSuccess);
+  CHECK_EQ(in.offer_notify("b", std::string(kMaxNotifyBytes + 1, 'x'), "m"), kParamInvalid);
+  auto got = in.take_notifies();
+  CHECK(got.size() == kMaxUnreadNotifies + 1 && got.front().msg == "0" && got.back().msg == "other peer");
+  CHECK_EQ(in.offer_notify("a", "n", "after reading"), kSuccess);
+  CHECK(in.take_notifies().size() == 1 && in.take_notifies().empty());
+  // Flags: the eventfd is readable exactly while flags are pending.
+  in.push_flag("a", 1);
+  in.push_flag("b", 2);
+  CHECK(readable(in.flag_fd()));
+  auto f = in.poll_flags(1);
+  CHECK(f.size() == 1 && f[0].peer == "a" && f[0].value == 1 && readable(in.flag_fd()));
+  f = in.poll_flags(10);
+  CHECK(f.size() == 1 && f[0].value == 2 && !readable(in.flag_fd()));
+  std::vector<FlagEvent> w;
+  auto t0 = std::chrono::steady_clock::now();
+  CHECK(in.wait_flags(4, 30, &w) && w.empty());  // timeout: nothing
+  CHECK(std::chrono::steady_clock::now() - t0 >= std::chrono::milliseconds(25));
+  std::thread pusher([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    in.push_flag("c", 3);
+  });
+  CHECK(in.wait_flags(4, 10000, &w) && w.size() == 1 && w[0].value == 3);
+  pusher.join();
+  // close() wakes every waiter, and later waits return at once.
+  std::atomic<int> woken{0};
+  std::thread n([&] { in.wait_notifies(-1); ++woken; });
+  std::thread fl([&] {
+    std::vector<FlagEvent> x;
+    if (!in.wait_flags(1, -1, &x)) ++woken;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  in.close();
+  n.join();
+  fl.join();
+  CHECK_EQ(woken.load(), 2);
+  CHECK(!in.wait_flags(1, -1, &w));
+}
+
+std::shared_ptr<Link> make_link(const std::string& key, uint64_t id, bool initiator, uint64_t instance = 7) {
+  auto l = std::make_shared<Link>();
+  l->key = key;
+  l->id = id;
+  l->initiator = initiator;
+  l->peer_instance = instance;
+  return l;
+}
+
+void link_table() {
+  LinkTable t;
+  const std::string self = "10.0.0.1:5000", peer = "10.0.0.2:5000";
+  int code = 0;
+  CHECK(t.claim_incoming(self, self, true, 1, &code).find("own name") != std::string::npos && code == kParamInvalid);
+  // Our connect and the peer's at once: the smaller name's outgoing connect wins.
+  CHECK_EQ(t.claim_outgoing(peer), kSuccess);
+  CHECK_EQ(t.claim_outgoing(peer), kAlreadyConnected);
+  CHECK(!t.claim_incoming(peer, self, true, 1, &code).empty() && code == kAlreadyConnected);  // self < peer
+  CHECK(t.claim_incoming(self, peer, true, 1, &code).empty() && code == kSuccess);  // seen from the larger name
+  t.release_incoming(self);
+  t.release_outgoing(peer);
+  // An incoming handshake holds the name until its link is published.
+  CHECK(t.claim_incoming(peer, self, true, 7, &code).empty());
+  CHECK(!t.claim_incoming(peer, self, true, 7, &code).empty() && code == kAlreadyConnected);
+  CHECK_EQ(t.claim_outgoing(peer), kAlreadyConnected);
+  auto l1 = make_link(peer, 11, false);
+  CHECK(t.publish(l1, nullptr) && t.find(peer) == l1);
+  CHECK(t.claim_incoming(peer, self, true, 7, &code).empty());  // claim ended: a reconnect supersedes
+  auto l2 = make_link(peer, 12, false);
+  CHECK(!t.publish(l2, nullptr));  // without a superseded slot: refused
+  std::shared_ptr<Link> old;
+  CHECK(t.publish(l2, &old) && old == l1 && t.find(peer) == l2);
+  // A client-only peer: a second instance from the same address is refused.
+  const std::string client = "10.0.0.3";
+  CHECK(t.claim_incoming(client, self, false, 1, &code).empty());
+  CHECK(t.publish(make_link(client, 21, false, 1), nullptr));
+  CHECK(t.claim_incoming(client, self, false, 2, &code).find("client-only") != std::string::npos);
+  // Unpublishing an old link does nothing to the current one; the peer's end is remembered once.
+  t.unpublish(l1, "superseded", false);
+  CHECK(t.find(peer) == l2);
+  std::string why;
+  CHECK(!t.take_closed(peer, &why));
+  t.unpublish(l2, "peer disconnected", false);
+  CHECK(!t.find(peer) && t.take_closed(peer, &why) && why == "peer disconnected" && !t.take_closed(peer, &why));
+  // Our own disconnect leaves no record, and clears one the peer's goodbye left first.
+  auto l3 = make_link(peer, 13, true);
+  CHECK(t.publish(l3, nullptr));
+  t.unpublish(l3, "peer's goodbye", false);
+  t.unpublish(l3, "disconnected by us", true);
+  CHECK(!t.take_closed(peer, &why));
+  CHECK(t.keys() == std::vector<std::string>{client});
+  // Closed: every link handed over, nothing published or claimed any more.
+  auto all = t.close();
+  CHECK(all.size() == 1 && t.empty());
+  CHECK(!t.publish(make_link(peer, 14, true), nullptr));
+  CHECK_EQ(t.claim_outgoing(peer), kFailed);
+  CHECK(t.claim_incoming(peer, self, true, 7, &code).find("finalizing") != std::string::npos && code == kFailed);
+}
+
+void handshakes() {
+  Handshakes h;
+  std::string refusal;
+  for (int i = 0; i < kMaxHandshakesPerHost; ++i) CHECK(h.acquire("10.0.0.9", "10.0.0.9:1", "e", &refusal));
+  CHECK(!h.acquire("10.0.0.9", "10.0.0.9:2", "e", &refusal));
+  CHECK(refusal.find("too many handshakes") != std::string::npos && refusal.find("10.0.0.9") != std::string::npos);
+  refusal.clear();
+  CHECK(!h.acquire("10.0.0.9", "10.0.0.9:3", "e", &refusal) && refusal.empty());  // one warning a second
+  CHECK(h.acquire("10.0.0.8", "10.0.0.8:1", "e", &refusal));  // another address still gets in
+  h.release("10.0.0.9");
+  CHECK(h.acquire("10.0.0.9", "10.0.0.9:4", "e", &refusal));
+  CHECK_EQ(h.serving(), kMaxHandshakesPerHost + 1);
+  // close() shuts down a socket in a handshake, and one that registers afterwards.
+  int sv[2], sv2[2];
+  CHECK(::socketpair(AF_UNIX, SOCK_STREAM, 0, sv) == 0 && ::socketpair(AF_UNIX, SOCK_STREAM, 0, sv2) == 0);
+  oob::Socket a(sv[0]), b(sv[1]), c(sv2[0]), d(sv2[1]);
+  char byte;
+  {
+    Handshakes::Guard g(h, &a);
+    h.close();
+    CHECK(::recv(b.fd(), &byte, 1, 0) == 0);  // the peer sees the end at once
+  }
+  Handshakes::Guard g2(h, &c);
+  CHECK(::recv(d.fd(), &byte, 1, 0) == 0);
+}
+
+}  // namespace
+
+int main() {
+  registry();
+  inbox();
+  link_table();
+  handshakes();
+  return report("test_engine_parts");
+}
