@@ -217,7 +217,7 @@ def test_rdma_sweep_vs_perftest(tmp_path):
 def test_bench_server_runs_only_what_the_bench_needs():
     """The bench server (no authentication, like perftest) must not be a remote shell: only perftest's
     tools with their flags, MC_* settings for Mooncake, bounded buffers."""
-    from hixl import bench_server as srv
+    from hixl.bench import server as srv
     ok = ["ib_write_bw", "-d", "rxe0", "-x", "1", "-s", "4096", "-n", "100", "-F", "-p", "18515", "-t", "128"]
     assert srv.checked_perftest_args(ok) == ok
     for bad in (["sh", "-c", "id"], ["ib_write_bw", "-p", "1", "--run_infinitely"], ["ib_write_bw", "-d", "x;id"],
@@ -239,7 +239,7 @@ def test_bench_server_runs_only_what_the_bench_needs():
 def test_bench_server_refuses_a_bad_command_over_the_wire(tmp_path):
     """Through the real JSON-lines protocol: an error reply, and the server keeps serving."""
     import subprocess as sp
-    from hixl.bench_server import Ctl
+    from hixl.bench.server import Ctl
     proc = sp.Popen([sys.executable, "-m", "hixl.bench", "--serve", "--once", "--listen", "127.0.0.1:0"],
                     stdout=sp.PIPE, stdin=sp.DEVNULL, text=True)
     try:

@@ -1,5 +1,5 @@
 // The engine's parts, each alone (no device, no peer, no engine): the registry, the inbox, the
-// link table and the handshake limits. Their behaviour through the engine is covered by pytest.
+// link table, the handshake limits and the request table (over a scripted data path). Their behaviour through the engine is covered by pytest.
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -14,6 +14,7 @@
 #include "engine/inbox.h"
 #include "engine/link_table.h"
 #include "engine/registry.h"
+#include "engine/requests.h"
 
 using namespace hixl;
 using namespace hixl::engine;
@@ -182,6 +183,107 @@ void link_table() {
   CHECK(t.claim_incoming(peer, self, true, 7, &code).find("finalizing") != std::string::npos && code == kFailed);
 }
 
+// A data path whose requests end when the test says so.
+class FakePath final : public transport::DataPath {
+ public:
+  const char* name() const override { return "fake"; }
+  uint64_t submit(transport::Op, const std::vector<transport::Desc>&, std::chrono::milliseconds, transport::Flag) override {
+    std::lock_guard<std::mutex> g(mu);
+    st[next] = TransferStatus::kWaiting;
+    return next++;
+  }
+  rdma::RequestResult status(uint64_t req) override {
+    std::lock_guard<std::mutex> g(mu);
+    auto it = st.find(req);
+    if (it == st.end()) return {TransferStatus::kFailed, "unknown"};
+    rdma::RequestResult r{it->second, it->second == TransferStatus::kFailed ? "path failed" : ""};
+    if (it->second != TransferStatus::kWaiting) st.erase(it);
+    return r;
+  }
+  rdma::RequestResult wait(uint64_t req, std::chrono::milliseconds) override { return status(req); }
+  bool wait_done(uint64_t req, std::chrono::milliseconds) override {
+    std::lock_guard<std::mutex> g(mu);
+    auto it = st.find(req);
+    return it == st.end() || it->second != TransferStatus::kWaiting;
+  }
+  void close() override {
+    std::lock_guard<std::mutex> g(mu);
+    for (auto& [k, v] : st) v = TransferStatus::kFailed;
+  }
+  void end(uint64_t req, TransferStatus s) {
+    std::lock_guard<std::mutex> g(mu);
+    st[req] = s;
+  }
+  std::mutex mu;
+  std::map<uint64_t, TransferStatus> st;
+  uint64_t next = 1;
+};
+
+void requests() {
+  Requests rq;
+  auto link = make_link("10.0.0.2:5000", 1, true);
+  auto path = std::make_shared<FakePath>();
+  link->path = path;
+  const auto never = Clock::time_point::max();
+  const uint64_t p1 = path->submit(transport::Op::kWrite, {}, std::chrono::milliseconds(-1), {});
+  const uint64_t r1 = rq.add(link, p1, 42, 0, never);
+  CHECK(rq.status(r1)->status == TransferStatus::kWaiting);
+  CHECK(rq.path_of(r1).first == path && rq.path_of(r1).second == p1);
+  auto all = rq.all(10, false);
+  CHECK(all.size() == 1 && all[0].user_data == 42 && all[0].status == int(TransferStatus::kWaiting));
+  CHECK(rq.all(10, true).empty());  // skip_waiting
+  // A terminal status is reported exactly once.
+  path->end(p1, TransferStatus::kCompleted);
+  CHECK(rq.status(r1)->status == TransferStatus::kCompleted);
+  CHECK(!rq.status(r1).has_value() && !rq.path_of(r1).first);
+  // A failure says why, when its link went down.
+  const uint64_t r2 = rq.add(link, path->submit(transport::Op::kRead, {}, std::chrono::milliseconds(-1), {}), 0, 0, never);
+  {
+    std::lock_guard<std::mutex> g(link->mu);
+    link->down = true;
+    link->down_reason = "heartbeat";
+  }
+  path->close();
+  auto f = rq.status(r2);
+  CHECK(f->status == TransferStatus::kFailed && f->error.find("was closed: heartbeat") != std::string::npos);
+  // Deadlines: one that ended in time is left alone; the others expire, their link is aborted once,
+  // they stay WAITING until the abort ends, then TIMEOUT (confirmed) or FAILED (not).
+  auto link2 = make_link("10.0.0.3:5000", 2, true);
+  auto path2 = std::make_shared<FakePath>();
+  link2->path = path2;
+  const auto past = Clock::now() - std::chrono::milliseconds(1);
+  const uint64_t q_done = path2->submit(transport::Op::kWrite, {}, std::chrono::milliseconds(-1), {});
+  path2->end(q_done, TransferStatus::kCompleted);
+  const uint64_t a = rq.add(link2, q_done, 1, 10, past);
+  const uint64_t b = rq.add(link2, path2->submit(transport::Op::kWrite, {}, std::chrono::milliseconds(-1), {}), 2, 10, past);
+  const uint64_t c = rq.add(link2, path2->submit(transport::Op::kWrite, {}, std::chrono::milliseconds(-1), {}), 3, 10, past);
+  const uint64_t later = rq.add(link2, path2->submit(transport::Op::kWrite, {}, std::chrono::milliseconds(-1), {}), 4, 60000,
+                                Clock::now() + std::chrono::seconds(60));
+  auto to_abort = rq.expire(Clock::now());
+  CHECK(to_abort.size() == 1 && to_abort[0] == link2);
+  CHECK(rq.expire(Clock::now()).empty());
+  CHECK(rq.status(a)->status == TransferStatus::kCompleted);
+  path2->close();  // the abort closes the path: the expired requests still wait for its verdict
+  CHECK(rq.status(b)->status == TransferStatus::kWaiting);
+  rq.finish_expired(link2, true);
+  auto tb = rq.status(b);
+  CHECK(tb->status == TransferStatus::kTimeout && tb->error.find("not complete within 10 ms") != std::string::npos &&
+        tb->error.find("confirmed") != std::string::npos);
+  CHECK(rq.status(c)->status == TransferStatus::kTimeout);
+  CHECK(rq.status(later)->status == TransferStatus::kFailed);  // not expired: the closed path's FAILED
+  // Unconfirmed abort: FAILED.
+  auto link3 = make_link("10.0.0.4:5000", 3, true);
+  auto path3 = std::make_shared<FakePath>();
+  link3->path = path3;
+  const uint64_t d = rq.add(link3, path3->submit(transport::Op::kWrite, {}, std::chrono::milliseconds(-1), {}), 5, 10, past);
+  CHECK(rq.expire(Clock::now()).size() == 1);
+  rq.finish_expired(link3, false);
+  auto td = rq.status(d);
+  CHECK(td->status == TransferStatus::kFailed && td->error.find("did not confirm") != std::string::npos);
+  rq.clear();
+  CHECK(rq.all(10, false).empty());
+}
+
 void handshakes() {
   Handshakes h;
   std::string refusal;
@@ -215,5 +317,6 @@ int main() {
   inbox();
   link_table();
   handshakes();
+  requests();
   return report("test_engine_parts");
 }

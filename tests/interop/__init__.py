@@ -1,0 +1,1 @@
+"""Tier 3: interoperability with pyverbs, an independent verbs implementation, as the peer."""

@@ -1,0 +1,1 @@
+"""Reliability: faults, hung or hostile peers, auth, soak; their shared peers and relays: helpers.py."""

@@ -13,19 +13,10 @@ import pytest
 import hixl
 from hixl import FAILED, PARAM_INVALID, READ, SUCCESS, WRITE, MemDesc, TransferOpDesc
 
-TRANSPORTS = [pytest.param("rdma", marks=pytest.mark.rdma), "shm", "tcp"]
+from .helpers import engine as _engine
+
+
 SIZE = 1 << 20
-
-
-@pytest.fixture(params=TRANSPORTS)
-def transport(request):
-    return request.param
-
-
-def _engine(transport):
-    e = hixl.Hixl()
-    assert e.initialize("127.0.0.1:0", {"HixlTransport": transport}) == SUCCESS, e.last_error()
-    return e
 
 
 @pytest.fixture

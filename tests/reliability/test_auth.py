@@ -29,19 +29,13 @@ from hixl import (FAILED, NOT_CONNECTED, READ, RESOURCE_EXHAUSTED, SUCCESS, UNSU
                    TransferOpDesc)
 from hixl import _core
 
-TRANSPORTS = [pytest.param("rdma", marks=pytest.mark.rdma), "shm", "tcp"]
+from .helpers import (ACCEPT, AUTH_CHALLENGE, AUTH_HELLO, AUTH_PROOF, CONNECT, HDR, LOGS_WARN, MAGIC, NOTIFY,
+                      REFUSE, TCP_BIT, TRANSPORTS, RecordingRelay)
+
 HOST_TRANSPORTS = ["shm", "tcp"]
 SIZE = 1 << 16
 TOKEN = "correct horse battery staple 7c1e4b0d9f2a"
-
-# wire.h / control.h
-HDR = struct.Struct("<IHHII")
-MAGIC = 0x4C584948
-CONNECT, ACCEPT, REFUSE, NOTIFY, ATTACH = 4, 5, 6, 7, 14
-AUTH_HELLO, AUTH_CHALLENGE, AUTH_PROOF = 16, 17, 18
-TCP_BIT = 1 << 3
 HANDSHAKE_TIMEOUT_S = 5.0  # engine::Options::handshake_timeout_ms
-LOGS_WARN = os.environ.get("HIXL_LOG_LEVEL", "warn") in ("debug", "info", "warn")
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -383,74 +377,9 @@ def test_refusal_bytes_reveal_nothing(make, transport):
 
 
 # ---------------------------------------------------------------------------- replay
-class _Proxy:
-    """A TCP relay to 127.0.0.1:target_port; record[i] collects what the i-th client sent."""
-
-    def __init__(self, target_port):
-        self.target_port = target_port
-        self.record = []
-        self.socks = []
-        self.threads = []
-        self.lsock = socket.socket()
-        self.lsock.bind(("127.0.0.1", 0))
-        self.lsock.listen(8)
-        self.lsock.settimeout(0.1)
-        self.stop = threading.Event()
-        self.port = self.lsock.getsockname()[1]
-        self._start(self._serve)
-
-    def _start(self, fn, *args):
-        th = threading.Thread(target=fn, args=args, daemon=True)
-        th.start()
-        self.threads.append(th)
-
-    @staticmethod
-    def _pump(src, dst, sink):
-        try:
-            while True:
-                d = src.recv(65536)
-                if not d:
-                    break
-                if sink is not None:
-                    sink.append(d)
-                dst.sendall(d)
-        except OSError:
-            pass
-        try:
-            dst.shutdown(socket.SHUT_WR)
-        except OSError:
-            pass
-
-    def _serve(self):
-        while not self.stop.is_set():
-            try:
-                c, _ = self.lsock.accept()
-            except (socket.timeout, OSError):
-                continue
-            u = socket.create_connection(("127.0.0.1", self.target_port))
-            self.socks += [c, u]
-            sink = []
-            self.record.append(sink)
-            self._start(self._pump, c, u, sink)
-            self._start(self._pump, u, c, None)
-
-    def close(self):
-        self.stop.set()
-        self.threads[0].join()
-        for s in self.socks:
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:  # already disconnected
-                pass
-        for th in self.threads[1:]:
-            th.join()
-        for s in self.socks + [self.lsock]:
-            s.close()
-
-
 def test_a_recorded_session_replayed_is_refused(make):
     a = make("shm", TOKEN)
-    proxy = _Proxy(_port(a))
+    proxy = RecordingRelay(_port(a))
     try:
         b = make("shm", TOKEN)
         via = "127.0.0.1:%d" % proxy.port

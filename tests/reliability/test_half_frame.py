@@ -13,28 +13,24 @@ engine's control stream (at a frame boundary) and forwards nothing more from it.
 """
 from __future__ import annotations
 
-import os
-import socket
 import struct
-import threading
 import time
 
 import numpy as np
 import pytest
 
-import hixl
 from hixl import SUCCESS, WRITE, MemDesc, NotifyDesc, TransferOpDesc
 from hixl import _core
 
-TRANSPORTS = [pytest.param("rdma", marks=pytest.mark.rdma), "shm", "tcp"]
+from .helpers import HDR, LOGS_WARN, MAGIC, NOTIFY, TRANSPORTS, HalfFrameRelay
+from .helpers import engine as _engine, linked as _linked, until as _until
+
+
 SIZE = 1 << 16
-LOGS_WARN = os.environ.get("HIXL_LOG_LEVEL", "warn") in ("debug", "info", "warn")
+
 STALL_BOUND_S = 1.0  # the old engine held every link for its 2 s frame deadline
 
 # wire.h / control.h
-HDR = struct.Struct("<IHHII")
-MAGIC = 0x4C584948
-CONNECT, NOTIFY = 4, 7
 
 
 def _notify_frame():
@@ -49,134 +45,6 @@ HALF_FRAMES = {
                                        "5 of the %d payload bytes of a Notify frame (type 7)"
                                        % (len(_notify_frame()) - HDR.size)),
 }
-
-
-def _recv_exact(s, n):
-    buf = b""
-    while len(buf) < n:
-        chunk = s.recv(n - len(buf))
-        if not chunk:
-            raise EOFError
-        buf += chunk
-    return buf
-
-
-class HalfFrameRelay:
-    """Relays every connection to 127.0.0.1:target_port. On a control connection (its first frame is a
-    Connect) the client's frames are forwarded whole, so inject() lands between two frames; after it,
-    nothing more of that client reaches the target (what it sends is read and dropped) until resume()."""
-
-    def __init__(self, target_port):
-        self.target_port = target_port
-        self.lock = threading.Lock()
-        self.control = None  # the upstream socket of the control connection
-        self.frozen = False
-        self.socks, self.threads = [], []
-        self.lsock = socket.socket()
-        self.lsock.bind(("127.0.0.1", 0))
-        self.lsock.listen(8)
-        self.lsock.settimeout(0.1)
-        self.stop = threading.Event()
-        self.port = self.lsock.getsockname()[1]
-        self._start(self._serve)
-
-    def _start(self, fn, *args):
-        th = threading.Thread(target=fn, args=args, daemon=True)
-        th.start()
-        self.threads.append(th)
-
-    def _serve(self):
-        while not self.stop.is_set():
-            try:
-                c, _ = self.lsock.accept()
-            except (socket.timeout, OSError):
-                continue
-            u = socket.create_connection(("127.0.0.1", self.target_port))
-            self.socks += [c, u]
-            self._start(self._client_to_target, c, u)
-            self._start(self._raw, u, c)
-
-    @staticmethod
-    def _raw(src, dst):
-        try:
-            while True:
-                d = src.recv(65536)
-                if not d:
-                    break
-                dst.sendall(d)
-        except OSError:
-            pass
-        try:
-            dst.shutdown(socket.SHUT_WR)
-        except OSError:
-            pass
-
-    def _client_to_target(self, c, u):
-        try:
-            hdr = _recv_exact(c, HDR.size)
-            _, _, ftype, plen, _ = HDR.unpack(hdr)
-            first = hdr + _recv_exact(c, plen)
-            if ftype != CONNECT:  # a data connection (tcp): its stream is not made of frames
-                u.sendall(first)
-                return self._raw(c, u)
-            with self.lock:
-                self.control = u
-                u.sendall(first)
-            while True:
-                hdr = _recv_exact(c, HDR.size)
-                frame = hdr + _recv_exact(c, HDR.unpack(hdr)[3])
-                with self.lock:
-                    if not self.frozen:
-                        u.sendall(frame)
-        except (OSError, EOFError):
-            pass
-        try:
-            u.shutdown(socket.SHUT_WR)
-        except OSError:
-            pass
-
-    def inject(self, data):
-        """Writes data to the target; from now on the client's own frames are dropped (see resume())."""
-        with self.lock:
-            assert self.control is not None
-            self.control.sendall(data)
-            self.frozen = True
-
-    def resume(self):
-        with self.lock:
-            self.frozen = False
-
-    def close(self):
-        self.stop.set()
-        self.threads[0].join()
-        for s in self.socks:
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        for th in self.threads[1:]:
-            th.join()
-        for s in self.socks + [self.lsock]:
-            s.close()
-
-
-def _engine(transport, **opts):
-    e = hixl.Hixl()
-    o = {"HixlTransport": transport}
-    o.update({k: str(v) for k, v in opts.items()})
-    assert e.initialize("127.0.0.1:0", o) == SUCCESS, e.last_error()
-    return e
-
-
-def _linked(e, name):
-    return e.get_transport(name)[0] == SUCCESS
-
-
-def _until(pred, timeout_s, what):
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        assert time.monotonic() < deadline, "timed out (%ss) waiting for %s" % (timeout_s, what)
-        time.sleep(0.01)
 
 
 @pytest.mark.parametrize("cut", sorted(HALF_FRAMES))

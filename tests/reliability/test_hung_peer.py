@@ -7,77 +7,15 @@ generous (seconds); nothing asserts on speed.
 """
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
-import pytest
 
 import hixl
 from hixl import NOT_CONNECTED, SUCCESS, WRITE, MemDesc, TransferOpDesc, TransferStatus
 
-TRANSPORTS = [pytest.param("rdma", marks=pytest.mark.rdma), "shm", "tcp"]
-REPO = Path(__file__).resolve().parents[2]
-PEER = REPO / "tests" / "engine_peer.py"
-MiB = 1 << 20
-
-
-@pytest.fixture(params=TRANSPORTS)
-def transport(request):
-    return request.param
-
-
-def _engine(transport, **opts):
-    e = hixl.Hixl()
-    o = {"HixlTransport": transport}
-    o.update({k: str(v) for k, v in opts.items()})
-    assert e.initialize("127.0.0.1:0", o) == SUCCESS, e.last_error()
-    return e
-
-
-class Peer:
-    """tests/engine_peer.py in its own process, serving SIZE bytes; stop() / cont() send SIGSTOP / SIGCONT."""
-
-    def __init__(self, transport, size):
-        self.p = subprocess.Popen([sys.executable, str(PEER), transport, str(size)],
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self.info = json.loads(self.p.stdout.readline())
-        self.name = self.info["name"]
-
-    def stop(self):
-        os.kill(self.p.pid, signal.SIGSTOP)
-
-    def cont(self):
-        if self.p.poll() is None:
-            os.kill(self.p.pid, signal.SIGCONT)
-
-    def close(self):
-        self.cont()
-        if self.p.poll() is None:
-            self.p.stdin.close()  # the peer finalizes and exits
-            try:
-                self.p.wait(20)
-            except subprocess.TimeoutExpired:
-                self.p.kill()
-                self.p.wait(20)
-        for f in (self.p.stdin, self.p.stdout):
-            f.close()
-
-
-def _until(pred, timeout_s, what):
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        assert time.monotonic() < deadline, "timed out (%ss) waiting for %s" % (timeout_s, what)
-        time.sleep(0.01)
-
-
-def _linked(e, name):
-    return e.get_transport(name)[0] == SUCCESS
+from .helpers import MiB, Peer
+from .helpers import engine as _engine, linked as _linked, until as _until
 
 
 def test_an_idle_link_to_a_stopped_peer_is_closed_by_the_heartbeat_and_can_be_made_again(transport):

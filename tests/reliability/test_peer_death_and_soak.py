@@ -6,37 +6,18 @@ threads) over 10^5 operations, and every byte that moved is verified.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import socket
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
-import pytest
 
 import hixl
 from hixl import (FAILED, NOT_CONNECTED, NOTIFY_FAILED, SUCCESS, TIMEOUT, WRITE, MemDesc, NotifyDesc, TransferOpDesc,
                   TransferStatus)
 
-TRANSPORTS = [pytest.param("rdma", marks=pytest.mark.rdma), "shm", "tcp"]
-REPO = Path(__file__).resolve().parents[2]
-PEER = REPO / "tests" / "engine_peer.py"
-
-
-@pytest.fixture(params=TRANSPORTS)
-def transport(request):
-    return request.param
-
-
-def _engine(transport, listen=True):
-    e = hixl.Hixl()
-    assert e.initialize("127.0.0.1:0" if listen else "127.0.0.1", {"HixlTransport": transport}) == SUCCESS, \
-        e.last_error()
-    return e
+from .helpers import Peer
+from .helpers import engine as _engine, free_port as _free_port
 
 
 def _rss() -> int:
@@ -55,28 +36,6 @@ def _threads() -> int:
 def _cpu_seconds() -> float:
     t = os.times()
     return t.user + t.system
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Peer:
-    """tests/engine_peer.py in its own process, serving SIZE bytes on a fixed port."""
-
-    def __init__(self, transport, size, port):
-        self.p = subprocess.Popen([sys.executable, str(PEER), transport, str(size), "--port", str(port)],
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self.info = json.loads(self.p.stdout.readline())
-
-    def kill(self):
-        if self.p.poll() is None:
-            self.p.kill()
-        self.p.wait(30)
-        for f in (self.p.stdin, self.p.stdout):
-            f.close()
 
 
 def _settled(before_threads, seconds=1.0):

@@ -40,6 +40,8 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 
+from .._extras import require as _require
+
 __all__ = [
     "Config",
     "DecodeCache",
@@ -164,11 +166,20 @@ def default_cache_dir(path: Optional[str] = None) -> str:
     return os.path.join(root, f"smollm2-{digest}")
 
 
+_NEEDED_BY = "the SmolLM2 model (hixl demo)"
+
+
+def _gguf():
+    return _require("gguf", _NEEDED_BY)
+
+
+def _tokenizers():
+    return _require("tokenizers", _NEEDED_BY)
+
+
 def _as_reader(reader_or_path: Any):
     if isinstance(reader_or_path, (str, os.PathLike)):
-        from gguf import GGUFReader
-
-        return GGUFReader(os.fspath(reader_or_path))
+        return _gguf().GGUFReader(os.fspath(reader_or_path))
     return reader_or_path
 
 
@@ -203,8 +214,9 @@ class Tokenizer:
     # -- construction ------------------------------------------------------------------------
     @classmethod
     def from_gguf(cls, reader_or_path: Any) -> "Tokenizer":
-        from tokenizers import AddedToken, decoders, models, pre_tokenizers
-        from tokenizers import Tokenizer as _HFTokenizer
+        tk = _tokenizers()
+        AddedToken, decoders, models, pre_tokenizers = tk.AddedToken, tk.decoders, tk.models, tk.pre_tokenizers
+        _HFTokenizer = tk.Tokenizer
 
         reader = _as_reader(reader_or_path)
         kind = _field(reader, "tokenizer.ggml.model")
@@ -245,7 +257,7 @@ class Tokenizer:
 
     @classmethod
     def from_json(cls, text: str, bos_id: int, eos_id: int) -> "Tokenizer":
-        from tokenizers import Tokenizer as _HFTokenizer
+        _HFTokenizer = _tokenizers().Tokenizer
 
         return cls(_HFTokenizer.from_str(text), bos_id, eos_id)
 
@@ -380,7 +392,7 @@ class SmolLM2:
 
     @classmethod
     def _load_uncached(cls, path: str, rope: str) -> "SmolLM2":
-        from gguf import GGUFReader
+        GGUFReader = _gguf().GGUFReader
 
         reader = GGUFReader(path)
         tensors = {t.name: _dequantize(t) for t in reader.tensors}
@@ -661,7 +673,7 @@ def _atomic_file(final: str, mode: str = "wb") -> Iterator[Any]:
 
 
 def _dequantize(t) -> np.ndarray:
-    from gguf.quants import dequantize
+    dequantize = _require("gguf.quants", _NEEDED_BY).dequantize
 
     a = np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
     expect = tuple(int(n) for n in reversed(list(t.shape)))  # GGUF [ne0, ne1] -> numpy (ne1, ne0)
@@ -671,7 +683,7 @@ def _dequantize(t) -> np.ndarray:
 
 
 def _build_cache(path: str, cache_dir: str) -> dict:
-    from gguf import GGUFReader
+    GGUFReader = _gguf().GGUFReader
 
     reader = GGUFReader(path)
     config = Config.from_gguf(reader)

@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from .._extras import hint
+
 MiB = 1 << 20
 KiB = 1 << 10
 UNITS = {"size": "B (bytes per descriptor)", "lat": "us (microseconds)", "bw": "MiB/s (MiB = 2^20 B)",
@@ -311,7 +313,7 @@ def emit(res: Dict[str, Any], s: Any) -> Dict[str, Any]:
         try:
             files["plots"] = plots(ours, peer_rows, w0, base)  # type: ignore[assignment]
         except ImportError:
-            lines.append("note: plots skipped: matplotlib is not installed (pip install matplotlib==3.11.2)")
+            lines.append("note: plots skipped: matplotlib is not installed (%s)" % hint("matplotlib"))
     if a.plots and "plots" in files:
         lines.append("plots: %.1f s" % (time.monotonic() - t0))
     lines.append("files: " + ", ".join(v if isinstance(v, str) else ", ".join(v) for v in files.values()))

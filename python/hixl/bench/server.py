@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, List
 
 import numpy as np
 
-from . import bench_peers as peers
+from . import peers
 
 
 def _wait_listening(port: int, proc: subprocess.Popen, timeout_s: float) -> None:
@@ -83,7 +83,7 @@ class Ctl:
 
 # ----------------------------------------------------------------------------------------- bench server
 # What a client may ask the server to run: the server half of a perftest tool with the flags
-# bench_peers.perftest_args writes, each value a plain token, and Mooncake's MC_* settings. The server
+# peers.perftest_args writes, each value a plain token, and Mooncake's MC_* settings. The server
 # has no authentication (as perftest itself); these checks keep a client to what the bench needs:
 # no other program, option, environment variable (LD_PRELOAD, PATH) or unbounded buffer.
 PERFTEST_FLAGS_WITH_VALUE = {"-d", "-x", "-s", "-n", "-p", "-t"}
@@ -241,7 +241,7 @@ class Server:
         return {"ok": True}
 
     def do_endpoint_target(self, bytes: int) -> Dict[str, Any]:  # noqa: A002
-        from .endpoint import Endpoint
+        from ..endpoint import Endpoint
         ep = Endpoint(self.a.device, gid_index=self.a.gid_index)
         buf = np.zeros(checked_bytes(bytes), np.uint8)
         mr = ep.register(buf)
@@ -254,7 +254,7 @@ class Server:
 
     def do_pingpong(self, id: int, size: int, iters: int, peer_addr: int, peer_rkey: int,  # noqa: A002
                     timeout_ms: int = 60000) -> Dict[str, Any]:
-        from . import _core
+        from .. import _core
         o = self.objs[id]
         if not isinstance(size, int) or not 1 <= size <= len(o["buf"]) // 2:  # send half + inbox half
             raise ValueError("pingpong: size must be in 1..%d (half the target buffer), got %r"
@@ -266,7 +266,7 @@ class Server:
 
     def do_drain_imm(self, id: int, on: bool) -> Dict[str, Any]:  # noqa: A002
         """on: consume the client's immediates until told to stop (replenishes receives)."""
-        from . import _core
+        from .. import _core
         o = self.objs[id]
         if on:
             o["stop"] = stop = threading.Event()
@@ -298,7 +298,7 @@ class Server:
             raise RuntimeError("initialize: " + e.last_error())
         keep: Any = None
         if mem == "acl":
-            from . import acl
+            from .. import acl
             rc, addr = acl.aclrtMalloc(bytes, acl.ACL_MEM_MALLOC_NORMAL_ONLY)
             if rc != acl.ACL_SUCCESS:
                 raise RuntimeError("aclrtMalloc(%d): %d" % (bytes, rc))
@@ -319,7 +319,7 @@ class Server:
         return {"id": i, "name": e.local_engine, "addr": addr, "len": bytes}
 
     def do_perftest(self, args: List[str]) -> Dict[str, Any]:
-        """Starts perftest's server half (args from bench_peers.perftest_args, device/GID are ours)."""
+        """Starts perftest's server half (args from peers.perftest_args, device/GID are ours)."""
         args = checked_perftest_args(args)
         for flag, val in (("-d", self.a.device), ("-x", self.a.gid_index)):
             if val is not None and flag in args:

@@ -1,0 +1,33 @@
+"""Optional dependencies: which pip extra of hixl provides each, and a clear error when one is missing.
+
+The core (``hixl.Hixl``, ``hixl.kv``, ``hixl.acl``, ``hixl.Endpoint``) needs numpy only; the tools and
+integrations need more, declared as extras in pyproject.toml: ``demo`` (the SmolLM2 demo: gguf,
+tokenizers, rich), ``bench`` (rich, matplotlib), ``proxy`` (aiohttp), ``vllm`` (the connector and model
+export), ``test`` (pytest and what tier 1 runs).
+"""
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+# top-level import name -> the extra that installs it
+EXTRA_OF = {
+    "gguf": "demo", "tokenizers": "demo", "rich": "demo",
+    "matplotlib": "bench",
+    "aiohttp": "proxy",
+    "vllm": "vllm", "torch": "vllm", "transformers": "vllm", "accelerate": "vllm", "safetensors": "vllm",
+}
+
+
+def hint(module: str) -> str:
+    """``pip install 'hixl[EXTRA]'`` for the extra that provides ``module``."""
+    extra = EXTRA_OF.get(module.split(".")[0])
+    return "pip install 'hixl[%s]'" % extra if extra else "pip install %s" % module.split(".")[0]
+
+
+def require(module: str, what: str) -> ModuleType:
+    """Imports ``module``; when it is missing, an ImportError that says who needs it and which extra to install."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise ImportError("%s needs %s (%s): %s" % (what, module.split(".")[0], e, hint(module))) from e
