@@ -137,14 +137,17 @@ int Engine::initialize(const std::string& local_engine, const Options& opts) {
 }
 
 void Engine::finalize() {
+  std::map<std::string, std::shared_ptr<Link>> links;
   {
+    // One step, as seen by everyone: not ready, no link published or claimed from now on, and every
+    // handshake in flight fails now instead of at its deadline.
     std::lock_guard<std::mutex> g(mu_);
     const bool was_ready = state_ == State::kReady;
     state_ = State::kFinalized;
     if (!was_ready) return;
+    links = links_.close();
+    handshakes_.close();
   }
-  std::map<std::string, std::shared_ptr<Link>> links = links_.close();  // no link is published from now on
-  handshakes_.close();  // handshakes in flight fail now, not at their deadline
   stop_ = true;
   inbox_.close();       // waiters for notifies and flags return
   wake();

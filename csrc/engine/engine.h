@@ -19,6 +19,7 @@
 //
 // Lock order: a thread holding a lock on the left may take the one on its right, never the reverse;
 // the locks not listed on a left side are leaves (nothing else is taken while they are held).
+//   Engine::mu_        -> LinkTable::mu_, Handshakes::mu_ (finalize closes both with the state)
 //   Registry::data_mu_ -> Registry::mu_
 //   Engine::push_mu_   -> Registry::mu_, Link::send_mu (the links the regions are pushed to)
 //   Requests::mu_      -> Link::mu (and the data path's own lock: status, wait_done(0))

@@ -1,8 +1,9 @@
 // A link: everything this engine holds for one connected peer. It owns its control connection (and
 // the progress thread's incremental reader of it), its data path (rdma queue pair, shm or tcp), the
 // cache of the peer's regions and the replies someone waits for. Its lock `mu` guards the region
-// cache, the replies and `down`; `send_mu` serialises frames on the control connection. Neither is
-// ever held while taking an engine part's lock.
+// cache, the replies and `down`; `send_mu` serialises frames on the control connection. `mu` is a
+// leaf; `send_mu` is held while taking another lock only when the link is being published (engine.h
+// has the lock order).
 #pragma once
 
 #include <atomic>

@@ -3,8 +3,8 @@
 // disconnect(). Publishing a link ends its handshake's claim; a newer link from the same peer
 // supersedes the old one (the caller retires it).
 //
-// Lock: `mu_`, guarding everything here. A Link's own locks may be taken while it is held, never
-// the other way round.
+// Lock: `mu_`, guarding everything here; nothing else is taken while it is held (a link's own locks
+// neither: the handshake publishing a link holds that link's send_mu while it takes this one).
 #pragma once
 
 #include <map>
