@@ -10,6 +10,17 @@
 
 namespace hixl::engine {
 
+namespace {
+// Waits on cv (lk held) until pred holds, for at most timeout_ms (< 0: no limit).
+template <class Pred>
+void wait_up_to(std::condition_variable& cv, std::unique_lock<std::mutex>& lk, int timeout_ms, Pred pred) {
+  if (timeout_ms < 0)
+    cv.wait(lk, pred);
+  else
+    cv.wait_for(lk, std::chrono::milliseconds(timeout_ms), pred);
+}
+}  // namespace
+
 Inbox::~Inbox() {
   if (flag_fd_ >= 0) ::close(flag_fd_);
 }
@@ -43,11 +54,7 @@ std::vector<Notify> Inbox::take_notifies() {
 
 void Inbox::wait_notifies(int timeout_ms) {
   std::unique_lock<std::mutex> lk(notify_mu_);
-  auto pred = [&] { return !notifies_.empty() || closed_; };
-  if (timeout_ms < 0)
-    notify_cv_.wait(lk, pred);
-  else
-    notify_cv_.wait_for(lk, std::chrono::milliseconds(timeout_ms), pred);
+  wait_up_to(notify_cv_, lk, timeout_ms, [&] { return !notifies_.empty() || closed_; });
 }
 
 void Inbox::push_flag(const std::string& peer, uint32_t value) {
@@ -87,11 +94,7 @@ std::vector<FlagEvent> Inbox::poll_flags(size_t max) {
 
 bool Inbox::wait_flags(size_t max, int timeout_ms, std::vector<FlagEvent>* out) {
   std::unique_lock<std::mutex> lk(flag_mu_);
-  auto pred = [&] { return !flags_.empty() || closed_; };
-  if (timeout_ms < 0)
-    flag_cv_.wait(lk, pred);
-  else
-    flag_cv_.wait_for(lk, std::chrono::milliseconds(timeout_ms), pred);
+  wait_up_to(flag_cv_, lk, timeout_ms, [&] { return !flags_.empty() || closed_; });
   if (closed_) return false;
   *out = take_flags_locked(max);
   return true;

@@ -119,9 +119,4 @@ std::map<std::string, std::shared_ptr<Link>> LinkTable::close() {
   return out;
 }
 
-void LinkTable::clear() {
-  std::lock_guard<std::mutex> g(mu_);
-  links_.clear();
-}
-
 }  // namespace hixl::engine

@@ -49,7 +49,6 @@ class LinkTable {
 
   // Finalize: every link is taken out and returned; publish() and claims fail from now on.
   std::map<std::string, std::shared_ptr<Link>> close();
-  void clear();  // after close(): drops whatever is left
 
  private:
   static constexpr size_t kMaxClosedRecords = 4096;
