@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import re
 from dataclasses import dataclass
@@ -26,10 +27,6 @@ GOAL_BW_SIZES = (4 * 1024, 1 << 20)  # WRITE bandwidth goals are judged against 
 GOAL_BW_ROUNDS = 5
 PERFTEST_MIN_BW_ITERS = 20  # ib_write_bw -n 8 printed "0.00" MiB/s at 1 MiB once
 
-
-def _package_doc() -> str:
-    import importlib
-    return importlib.import_module(__package__).__doc__ or ""
 
 
 class UsageError(Exception):
@@ -101,7 +98,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog="hixl bench", description=_package_doc().split("\n\n")[0],
+    doc = importlib.import_module(__package__).__doc__ or ""  # the package's: what the bench measures
+    ap = _Parser(prog="hixl bench", description=doc.split("\n\n")[0],
                  epilog="Units: B = bytes, KiB/MiB = 2^10/2^20 B, us = microseconds. See bench/README.md.",
                  formatter_class=argparse.RawDescriptionHelpFormatter)
     g = ap.add_argument_group("what to sweep (comma-separated lists; every combination is measured)")

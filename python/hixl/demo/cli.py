@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -15,10 +16,6 @@ from .workers import run_worker
 
 
 # ---------------------------------------------------------------------------- display
-def _package_doc() -> str:
-    import importlib
-    return importlib.import_module(__package__).__doc__ or ""
-
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     def fmt(v):
@@ -133,7 +130,8 @@ def _say(quiet: bool, *a) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="hixl demo", description=_package_doc(), epilog=EPILOG,
+    doc = importlib.import_module(__package__).__doc__ or ""  # the package's: what the demo does
+    ap = argparse.ArgumentParser(prog="hixl demo", description=doc, epilog=EPILOG,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompt", default=DEFAULT_PROMPT, help=f"user message (default: {DEFAULT_PROMPT!r})")
     ap.add_argument("--prompt2", default=DEFAULT_PROMPT2,

@@ -21,6 +21,8 @@ import tempfile
 import time
 from typing import List, Optional
 
+from .._extras import hint
+
 from .smollm2 import GGUF_FILENAME, gguf_path
 
 __all__ = ["export_smollm2", "main", "EXPORT_FILES"]
@@ -30,7 +32,7 @@ EXPORT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer
                 "generation_config.json")
 _MARKER = "hixl_export.json"
 _NEEDS = "torch, transformers, accelerate, safetensors and gguf"
-_HINT = "pip install 'hixl[vllm]' (or run it in the venv made by ci/install-vllm.sh)"
+_HINT = hint("vllm") + " (or run it in the venv made by ci/install-vllm.sh)"
 
 
 def _is_complete(out: str) -> bool:

@@ -13,6 +13,8 @@ import sys
 from typing import List, Optional
 from urllib.parse import urlparse
 
+from .._extras import hint
+
 __all__ = ["main"]
 
 
@@ -47,7 +49,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         from .server import Proxy
     except ImportError as e:
-        print(f"hixl proxy needs aiohttp ({e}): pip install 'hixl[proxy]'", file=sys.stderr)
+        print(f"hixl proxy needs aiohttp ({e}): {hint('aiohttp')}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     proxy = Proxy(args.prefill, args.decode, timeout_s=args.timeout, on_prefill_failure=args.on_prefill_failure,

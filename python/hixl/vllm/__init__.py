@@ -14,10 +14,12 @@ Needs vLLM: ``pip install 'hixl[vllm]'`` (or ``bash ci/install-vllm.sh VENV``).
 """
 from __future__ import annotations
 
+from .._extras import hint
+
 try:
     import vllm  # noqa: F401
 except ImportError as e:  # pragma: no cover - depends on the environment
-    raise ImportError(f"hixl.vllm needs vLLM ({e}); install it with: pip install 'hixl[vllm]' "
+    raise ImportError(f"hixl.vllm needs vLLM ({e}); install it with: {hint('vllm')} "
                       "(on a CPU machine: bash ci/install-vllm.sh VENV)") from e
 
 from .config import ConnectorConfig  # noqa: E402
