@@ -1,8 +1,11 @@
 // hixl._core.Engine: the C++ engine behind hixl.Hixl. Every method releases the GIL (all of them
 // can block: registration pins memory, connects and transfers wait on the network) and returns
 // status codes; argument checking that needs Python types lives in python/hixl/engine.py.
+#include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+
+#include <cstring>
 
 #include "engine/engine.h"
 
@@ -17,6 +20,26 @@ std::vector<OpDesc> to_descs(const DescTuples& d) {
   for (size_t i = 0; i < d.size(); ++i) out[i] = {std::get<0>(d[i]), std::get<1>(d[i]), std::get<2>(d[i])};
   return out;
 }
+// Numpy fast paths: the arrays are copied (one memcpy, GIL held) before the GIL is released, so
+// another Python thread changing them cannot change what was checked; the copies are per-thread
+// scratch, reused (no allocation per call). hixl/engine.py checks dtypes and shapes first.
+using U64Array = py::array_t<uint64_t, py::array::c_style>;
+static_assert(sizeof(OpDesc) == 3 * sizeof(uint64_t), "OpDesc is three u64 (local_addr, remote_addr, len)");
+const std::vector<OpDesc>& copy_descs(const U64Array& a) {
+  thread_local std::vector<OpDesc> v;
+  if (a.ndim() != 2 || a.shape(1) != 3) throw py::value_error("descriptor array must have shape (N, 3)");
+  v.resize(size_t(a.shape(0)));
+  if (!v.empty()) std::memcpy(v.data(), a.data(), v.size() * sizeof(OpDesc));
+  return v;
+}
+const std::vector<uint64_t>& copy_u64(const U64Array& a, int slot) {
+  thread_local std::vector<uint64_t> v[4];
+  if (a.ndim() != 1) throw py::value_error("index and block arrays must be one-dimensional");
+  v[slot].resize(size_t(a.shape(0)));
+  if (!v[slot].empty()) std::memcpy(v[slot].data(), a.data(), v[slot].size() * sizeof(uint64_t));
+  return v[slot];
+}
+
 // (rc, [(peer, value), ...]); built without the GIL (plain C++ values), converted by pybind11 later.
 std::pair<int, std::vector<std::pair<std::string, uint32_t>>> flag_tuples(
     std::pair<int, std::vector<FlagEvent>> r) {
@@ -74,6 +97,62 @@ void hixl_bind_engine(py::module_& m) {
              int timeout_ms) { return e.transfer_async(remote, TransferOp(op), to_descs(d), user_data, flag, timeout_ms); },
           py::arg("remote"), py::arg("op"), py::arg("descs"), py::arg("user_data"), py::arg("flag") = -1,
           py::arg("timeout_ms") = -1, release())
+      .def(
+          "transfer_async_one",  // one descriptor, no containers to convert: the per-request fast path
+          [](Engine& e, const std::string& remote, int op, uint64_t local_addr, uint64_t remote_addr, uint64_t len,
+             uint64_t user_data) {
+            OpDesc d{local_addr, remote_addr, len};
+            return e.transfer_async(remote, TransferOp(op), &d, 1, user_data);
+          },
+          py::arg("remote"), py::arg("op"), py::arg("local_addr"), py::arg("remote_addr"), py::arg("len"),
+          py::arg("user_data") = 0, release())
+      .def(
+          "transfer_sync_array",
+          [](Engine& e, const std::string& remote, int op, const U64Array& d, int timeout_ms, int64_t flag) {
+            const auto& v = copy_descs(d);
+            py::gil_scoped_release nogil;
+            return e.transfer_sync(remote, TransferOp(op), v.data(), v.size(), timeout_ms, flag);
+          },
+          py::arg("remote"), py::arg("op"), py::arg("descs"), py::arg("timeout_ms"), py::arg("flag") = -1)
+      .def(
+          "transfer_async_array",
+          [](Engine& e, const std::string& remote, int op, const U64Array& d, uint64_t user_data, int64_t flag,
+             int timeout_ms) {
+            const auto& v = copy_descs(d);
+            py::gil_scoped_release nogil;
+            return e.transfer_async(remote, TransferOp(op), v.data(), v.size(), user_data, flag, timeout_ms);
+          },
+          py::arg("remote"), py::arg("op"), py::arg("descs"), py::arg("user_data"), py::arg("flag") = -1,
+          py::arg("timeout_ms") = -1)
+      .def(
+          "prep_descs",
+          [](Engine& e, const std::string& remote, const U64Array& addrs, const U64Array& lens, int timeout_ms) {
+            const auto& a = copy_u64(addrs, 0);
+            const auto& l = copy_u64(lens, 1);
+            if (a.size() != l.size()) throw py::value_error("addrs and lens differ in length");
+            py::gil_scoped_release nogil;
+            return e.prep_descs(remote, a.data(), l.data(), a.size(), timeout_ms);
+          },
+          py::arg("remote"), py::arg("addrs"), py::arg("lens"), py::arg("timeout_ms"))
+      .def("release_descs", &Engine::release_descs, py::arg("handle"), release())
+      .def(
+          "transfer_prepped",
+          [](Engine& e, int op, uint64_t local_list, const U64Array& local_idx, uint64_t remote_list,
+             const U64Array& remote_idx, bool sync, int timeout_ms, uint64_t user_data,
+             int64_t flag) -> std::pair<int, uint64_t> {
+            const auto& li = copy_u64(local_idx, 2);
+            const auto& ri = copy_u64(remote_idx, 3);
+            if (li.size() != ri.size()) throw py::value_error("local_idx and remote_idx differ in length");
+            py::gil_scoped_release nogil;
+            if (sync)
+              return {e.transfer_prepped_sync(TransferOp(op), local_list, li.data(), remote_list, ri.data(), li.size(),
+                                              timeout_ms, flag),
+                      0};
+            return e.transfer_prepped_async(TransferOp(op), local_list, li.data(), remote_list, ri.data(), li.size(),
+                                            user_data, flag, timeout_ms);
+          },
+          py::arg("op"), py::arg("local_list"), py::arg("local_idx"), py::arg("remote_list"), py::arg("remote_idx"),
+          py::arg("sync"), py::arg("timeout_ms"), py::arg("user_data") = 0, py::arg("flag") = -1)
       .def("transfer_status", &Engine::transfer_status, py::arg("req"), release())
       .def("transfer_wait", &Engine::transfer_wait, py::arg("req"), py::arg("timeout_ms"), release())
       .def(

@@ -184,6 +184,7 @@ void Engine::finalize() {
   for (auto& w : workers)
     if (w->t.joinable()) w->t.join();
   requests_.clear();
+  lists_.clear();
   registry_.close();  // MRs go after every QP is gone
   // pd_ stays until the destructor: calls racing finalize() may still hold a reference path to it.
 }

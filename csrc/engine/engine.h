@@ -10,6 +10,7 @@
 //   Handshakes (handshakes.h)    sockets in a handshake, limits on incoming ones       mu_ (leaf)
 //   Requests (requests.h)        async transfers, deadlines, expiry                    mu_ (+ cv_)
 //   Inbox (inbox.h)              notifies, completion flags and their eventfd          notify_mu_, flag_mu_ (leaves)
+//   DescLists (desc_lists.h)     prepared descriptor lists (blocks resolved once)      mu_ (leaf); each list's mu
 //   Engine (this file)           lifecycle: state, options, name, threads, workers     mu_, workers_mu_, push_mu_
 //
 // The engine's own files split its work by concern: engine.cc (lifecycle, registration, queries),
@@ -23,6 +24,8 @@
 //   Registry::data_mu_ -> Registry::mu_
 //   Engine::push_mu_   -> Registry::mu_, Link::send_mu (the links the regions are pushed to)
 //   Requests::mu_      -> Link::mu (and the data path's own lock: status, wait_done(0))
+//   DescList::mu of a local list -> DescList::mu of a remote list -> Registry::mu_, Link::mu
+//                         (a prepared transfer re-resolving its lists)
 //   Link::send_mu of a link being published -> LinkTable::mu_, Link::mu of the link it replaces
 //                         (held across add_link(), so that the link's first frame is our READY)
 // No lock is held across a network wait, except send_mu for one frame (bounded by its deadline).
@@ -46,6 +49,7 @@
 #include <utility>
 #include <vector>
 
+#include "engine/desc_lists.h"
 #include "engine/handshakes.h"
 #include "engine/inbox.h"
 #include "engine/link.h"
@@ -81,11 +85,33 @@ class Engine {
   int disconnect(const std::string& remote, int timeout_ms);
 
   // flag >= 0 (WRITE only, < 2^32): the peer receives it as a completion flag once the bytes landed.
-  int transfer_sync(const std::string& remote, TransferOp op, const std::vector<OpDesc>& descs, int timeout_ms,
+  int transfer_sync(const std::string& remote, TransferOp op, const OpDesc* descs, size_t n, int timeout_ms,
                     int64_t flag = -1);
+  int transfer_sync(const std::string& remote, TransferOp op, const std::vector<OpDesc>& descs, int timeout_ms,
+                    int64_t flag = -1) {
+    return transfer_sync(remote, op, descs.data(), descs.size(), timeout_ms, flag);
+  }
   // timeout_ms: the request's deadline (Options::async_timeout_ms); < 0: the engine's, 0: none.
-  std::pair<int, uint64_t> transfer_async(const std::string& remote, TransferOp op, const std::vector<OpDesc>& descs,
+  std::pair<int, uint64_t> transfer_async(const std::string& remote, TransferOp op, const OpDesc* descs, size_t n,
                                           uint64_t user_data, int64_t flag = -1, int timeout_ms = -1);
+  std::pair<int, uint64_t> transfer_async(const std::string& remote, TransferOp op, const std::vector<OpDesc>& descs,
+                                          uint64_t user_data, int64_t flag = -1, int timeout_ms = -1) {
+    return transfer_async(remote, op, descs.data(), descs.size(), user_data, flag, timeout_ms);
+  }
+
+  // Prepared descriptor lists (desc_lists.h). prep_descs: n blocks [addr[i], addr[i]+len[i]) of our
+  // registered memory (remote "") or of the peer `remote` (connected, or auto-connected), each
+  // inside a region; a handle for transfer_prepped_*. release_descs: kParamInvalid for an unknown
+  // handle. A prepared transfer moves block local_idx[i] of local_list to/from block remote_idx[i]
+  // of remote_list (the peer is remote_list's), i < n; the pair must have the same length.
+  std::pair<int, uint64_t> prep_descs(const std::string& remote, const uint64_t* addr, const uint64_t* len, size_t n,
+                                      int timeout_ms);
+  int release_descs(uint64_t handle);
+  int transfer_prepped_sync(TransferOp op, uint64_t local_list, const uint64_t* local_idx, uint64_t remote_list,
+                            const uint64_t* remote_idx, size_t n, int timeout_ms, int64_t flag = -1);
+  std::pair<int, uint64_t> transfer_prepped_async(TransferOp op, uint64_t local_list, const uint64_t* local_idx,
+                                                  uint64_t remote_list, const uint64_t* remote_idx, size_t n,
+                                                  uint64_t user_data, int64_t flag = -1, int timeout_ms = -1);
   std::pair<int, int> transfer_status(uint64_t req);
   // Blocks up to timeout_ms (< 0: no limit) for the request to end, then reports like
   // transfer_status(); WAITING (and the request kept) when the time passed first.
@@ -139,9 +165,26 @@ class Engine {
   void serve_attach(oob::Socket s, const wire::Control& c);
 
   // transfers.cc
+  // The link to `remote` (the name as given, when a link has it: no parsing per transfer; else its
+  // canonical form, auto-connecting when allowed); *key its canonical name.
+  int find_link(const std::string& remote, int timeout_ms, const char* call, std::shared_ptr<Link>* out,
+                std::string* key);
   int ensure_link(const std::string& key, int timeout_ms, std::shared_ptr<Link>* out);
-  int prepare(const std::shared_ptr<Link>& link, TransferOp op, const std::vector<OpDesc>& descs,
+  // Resolves and checks descs into *out (local keys from our registry, remote keys from the link).
+  int prepare(const std::shared_ptr<Link>& link, TransferOp op, const OpDesc* descs, size_t n,
               std::chrono::steady_clock::time_point deadline, std::vector<rdma::Desc>* out);
+  // Asks the peer for its region list once (it may have registered since), bounded by deadline.
+  void refresh_regions(const std::shared_ptr<Link>& link, std::chrono::steady_clock::time_point deadline);
+  // A prepared transfer's descriptors, checked (indices, lengths, access), into *out; *link its peer's.
+  int build_prepped(TransferOp op, uint64_t local_list, const uint64_t* local_idx, uint64_t remote_list,
+                    const uint64_t* remote_idx, size_t n, int timeout_ms, const char* call,
+                    std::shared_ptr<Link>* link, std::vector<rdma::Desc>* out);
+  // Posting checked descriptors (both kinds of transfer end here).
+  int run_sync(const std::shared_ptr<Link>& link, TransferOp op, const std::vector<rdma::Desc>& rd,
+               std::chrono::steady_clock::time_point deadline, int timeout_ms, int64_t flag, const char* call);
+  std::pair<int, uint64_t> run_async(const std::shared_ptr<Link>& link, TransferOp op,
+                                     const std::vector<rdma::Desc>& rd, uint64_t user_data, int64_t flag,
+                                     int timeout_ms, std::chrono::steady_clock::time_point start, const char* call);
   int submit_checks(TransferOp op, int64_t flag, const char* call);
   // True once the peer confirmed its queue pair is in the error state too.
   bool abort_link(const std::shared_ptr<Link>& link, const std::string& why);
@@ -180,6 +223,7 @@ class Engine {
   Handshakes handshakes_;
   Requests requests_;
   Inbox inbox_;
+  DescLists lists_;
   std::mutex push_mu_;  // one region push at a time, so each link sees versions in order
 
   // Threads.

@@ -105,12 +105,12 @@ std::vector<wire::Extent> Registry::extents() const {
   return out;
 }
 
-int Registry::resolve_local(const std::vector<OpDesc>& descs, std::vector<rdma::Desc>* out) const {
-  out->resize(descs.size());
+int Registry::resolve_local(const OpDesc* descs, size_t n, std::vector<rdma::Desc>* out) const {
+  out->resize(n);
   std::lock_guard<std::mutex> g(mu_);
   const RegionEntry* last = nullptr;
-  for (size_t i = 0; i < descs.size(); ++i) {
-    const OpDesc& d = descs[i];
+  for (size_t i = 0; i < n; ++i) {
+    const OpDesc d = descs[i];
     if (d.len == 0 || d.local_addr + d.len < d.local_addr || d.remote_addr + d.len < d.remote_addr)
       return fail(kParamInvalid, CallDesc("transfer").arg("desc", i).hex("local_addr", d.local_addr)
                                      .hex("remote_addr", d.remote_addr).arg("len", d.len).str() +
@@ -127,6 +127,22 @@ int Registry::resolve_local(const std::vector<OpDesc>& descs, std::vector<rdma::
     r.has_lkey = true;
   }
   return kSuccess;
+}
+
+size_t Registry::resolve_blocks(const uint64_t* addr, const uint64_t* len, size_t n, uint32_t* keys, uint8_t* flags,
+                                uint8_t ok_flag, uint64_t* version) const {
+  std::lock_guard<std::mutex> g(mu_);
+  *version = version_;
+  size_t first_bad = n;
+  const RegionEntry* last = nullptr;
+  for (size_t i = 0; i < n; ++i) {
+    const uint64_t a = addr[i], l = len[i];
+    if (!(last && last->contains(a, l))) last = table_.find(a, l, 0);  // l == 0 or wrapping: none
+    keys[i] = last ? last->key : 0;
+    flags[i] = last ? ok_flag : 0;
+    if (!last && first_bad == n) first_bad = i;
+  }
+  return first_bad;
 }
 
 bool Registry::allows(uint64_t addr, uint64_t len, uint32_t access) const {

@@ -8,6 +8,7 @@
 // before `mu_`.
 #pragma once
 
+#include <atomic>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -40,7 +41,16 @@ class Registry {
   std::vector<wire::Extent> extents() const;                            // memfd-backed ones (same-host peers)
   // Fills each descriptor's local half (address, length, lkey) from descs; kParamInvalid naming the
   // first descriptor that is empty, wraps, or lies outside every registered region.
-  int resolve_local(const std::vector<OpDesc>& descs, std::vector<rdma::Desc>* out) const;
+  // Each descriptor is read once: what is checked is what the caller posts (*out).
+  int resolve_local(const OpDesc* descs, size_t n, std::vector<rdma::Desc>* out) const;
+  // A prepared list's blocks: keys[i] = the lkey of the region holding [addr[i], addr[i]+len[i])
+  // and flags[i] = ok_flag, or flags[i] = 0 when none does (empty, wrapping or unregistered);
+  // *version = the registry's version they were resolved at. Returns the first block without a
+  // region, or n.
+  size_t resolve_blocks(const uint64_t* addr, const uint64_t* len, size_t n, uint32_t* keys, uint8_t* flags,
+                        uint8_t ok_flag, uint64_t* version) const;
+  // Bumped by every (de)registration: a prepared list resolved at an older version is resolved again.
+  uint64_t version() const { return version_.load(std::memory_order_acquire); }
   // A tcp peer's request: all of [addr, addr+len) inside one region that allows `access`.
   bool allows(uint64_t addr, uint64_t len, uint32_t access) const;
   std::shared_mutex* data_lock() { return &data_mu_; }
@@ -67,7 +77,7 @@ class Registry {
   std::map<std::pair<uint64_t, uint64_t>, uint64_t> by_range_;
   RegionTable table_;
   uint64_t next_handle_ = 1;
-  uint64_t version_ = 1;  // bumped on every (de)registration; peers keep the newest list
+  std::atomic<uint64_t> version_{1};  // bumped on every (de)registration (under mu_); peers keep the newest list
   bool closed_ = false;
   std::shared_mutex data_mu_;
 };

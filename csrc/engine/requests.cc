@@ -1,20 +1,22 @@
 #include "engine/requests.h"
 
+#include <algorithm>
+
 #include "verbs/log.h"
 
 namespace hixl::engine {
 
 uint64_t Requests::add(std::shared_ptr<Link> link, uint64_t path_req, uint64_t user_data, int timeout_ms,
                        Clock::time_point deadline) {
-  std::lock_guard<std::mutex> g(mu_);
-  const uint64_t id = next_++;
-  Request& r = reqs_[id];
+  Request r;
   r.link = std::move(link);
   r.path_req = path_req;
   r.user_data = user_data;
   r.timeout_ms = timeout_ms;
   r.deadline = deadline;
-  if (deadline != Clock::time_point::max()) deadlines_.insert({deadline, id});
+  std::lock_guard<std::mutex> g(mu_);
+  const uint64_t id = reqs_.add(std::move(r));
+  if (id && deadline < next_deadline_) next_deadline_ = deadline;
   return id;
 }
 
@@ -31,11 +33,6 @@ rdma::RequestResult Requests::poll_locked(Request& r) {
   return res;
 }
 
-void Requests::erase_locked(std::map<uint64_t, Request>::iterator it) {
-  if (it->second.deadline != Clock::time_point::max()) deadlines_.erase({it->second.deadline, it->first});
-  reqs_.erase(it);
-}
-
 namespace {
 void log_end(uint64_t id, const rdma::RequestResult& res) {
   if (res.status == TransferStatus::kFailed || res.status == TransferStatus::kTimeout)
@@ -46,11 +43,11 @@ void log_end(uint64_t id, const rdma::RequestResult& res) {
 
 std::optional<rdma::RequestResult> Requests::status(uint64_t id) {
   std::lock_guard<std::mutex> g(mu_);
-  auto it = reqs_.find(id);
-  if (it == reqs_.end()) return std::nullopt;
-  rdma::RequestResult res = poll_locked(it->second);
+  Request* r = reqs_.find(id);
+  if (!r) return std::nullopt;
+  rdma::RequestResult res = poll_locked(*r);
   if (res.status != TransferStatus::kWaiting) {
-    erase_locked(it);
+    reqs_.erase(id);
     log_end(id, res);
   }
   return res;
@@ -58,25 +55,28 @@ std::optional<rdma::RequestResult> Requests::status(uint64_t id) {
 
 std::pair<std::shared_ptr<transport::DataPath>, uint64_t> Requests::path_of(uint64_t id) const {
   std::lock_guard<std::mutex> g(mu_);
-  auto it = reqs_.find(id);
-  if (it == reqs_.end()) return {nullptr, 0};
-  return {it->second.link->path, it->second.path_req};
+  const Request* r = reqs_.find(id);
+  if (!r) return {nullptr, 0};
+  return {r->link->path, r->path_req};
 }
 
 std::vector<TransferResult> Requests::all(uint64_t max_count, bool skip_waiting) {
   std::lock_guard<std::mutex> g(mu_);
+  std::vector<uint64_t> ids;
+  ids.reserve(reqs_.size());
+  reqs_.for_each([&](uint64_t id, Request&) { ids.push_back(id); });
+  std::sort(ids.begin(), ids.end());  // ids grow with issue order: oldest first
   std::vector<TransferResult> out;
-  for (auto it = reqs_.begin(); it != reqs_.end() && out.size() < max_count;) {
-    rdma::RequestResult res = poll_locked(it->second);
-    uint64_t id = it->first, user_data = it->second.user_data;
+  for (uint64_t id : ids) {
+    if (out.size() >= max_count) break;
+    Request& r = *reqs_.find(id);
+    rdma::RequestResult res = poll_locked(r);
+    const uint64_t user_data = r.user_data;
     if (res.status != TransferStatus::kWaiting) {
       log_end(id, res);
-      auto next = std::next(it);
-      erase_locked(it);
-      it = next;
-    } else {
-      ++it;
-      if (skip_waiting) continue;
+      reqs_.erase(id);
+    } else if (skip_waiting) {
+      continue;
     }
     out.push_back({id, user_data, int(res.status)});
   }
@@ -91,29 +91,29 @@ void Requests::wait_change(Clock::time_point until) {
 std::vector<std::shared_ptr<Link>> Requests::expire(Clock::time_point now) {
   std::vector<std::shared_ptr<Link>> to_abort;
   std::lock_guard<std::mutex> g(mu_);
-  while (!deadlines_.empty() && deadlines_.begin()->first <= now) {
-    const uint64_t id = deadlines_.begin()->second;
-    deadlines_.erase(deadlines_.begin());
-    auto it = reqs_.find(id);
-    if (it == reqs_.end()) continue;
-    Request& r = it->second;
-    if (r.expired || r.final_status >= 0) continue;
-    r.deadline = Clock::time_point::max();  // out of deadlines_ now
-    if (r.link->path->wait_done(r.path_req, milliseconds(0))) continue;  // ended in time; its status waits for the user
+  if (now < next_deadline_) return to_abort;
+  next_deadline_ = Clock::time_point::max();
+  reqs_.for_each([&](uint64_t id, Request& r) {
+    if (r.deadline == Clock::time_point::max() || r.expired || r.final_status >= 0) return;
+    if (r.deadline > now) {
+      next_deadline_ = std::min(next_deadline_, r.deadline);
+      return;
+    }
+    r.deadline = Clock::time_point::max();  // decided now: never looked at again
+    if (r.link->path->wait_done(r.path_req, milliseconds(0))) return;  // ended in time; its status waits for the user
     r.expired = true;
     r.final_error = "transfer_async(req=" + std::to_string(id) + ") to " + r.link->key + ": not complete within " +
                     std::to_string(r.timeout_ms) + " ms";
     if (!r.link->aborting.exchange(true)) to_abort.push_back(r.link);
-  }
+  });
   return to_abort;
 }
 
 void Requests::finish_expired(const std::shared_ptr<Link>& link, bool confirmed) {
   {
     std::lock_guard<std::mutex> g(mu_);
-    for (auto& [id, r] : reqs_) {
-      (void)id;
-      if (r.link != link || !r.expired || r.final_status >= 0) continue;
+    reqs_.for_each([&](uint64_t, Request& r) {
+      if (r.link != link || !r.expired || r.final_status >= 0) return;
       (void)r.link->path->status(r.path_req);  // the path's record of it (FAILED: closed) is not needed
       if (confirmed) {
         r.final_status = int(TransferStatus::kTimeout);
@@ -124,7 +124,7 @@ void Requests::finish_expired(const std::shared_ptr<Link>& link, bool confirmed)
         r.final_error += "; the link was aborted, but the peer did not confirm it stopped: writes already on the "
                          "wire may still land";
       }
-    }
+    });
   }
   cv_.notify_all();
 }
@@ -132,7 +132,7 @@ void Requests::finish_expired(const std::shared_ptr<Link>& link, bool confirmed)
 void Requests::clear() {
   std::lock_guard<std::mutex> g(mu_);
   reqs_.clear();
-  deadlines_.clear();
+  next_deadline_ = Clock::time_point::max();
 }
 
 }  // namespace hixl::engine

@@ -1,5 +1,7 @@
 // Requests: the async transfers the user has not yet seen end (transfer_async's ids), their
-// deadlines, and the expiry of those past them. A terminal status is reported exactly once: the
+// deadlines, and the expiry of those past them. The table is an IdSlab (util/id_slab.h): adding,
+// finding and consuming a request costs no allocation and no tree walk; ids still grow with issue
+// order. A terminal status is reported exactly once: the
 // status calls consume it under the table's lock, so two threads polling one request cannot turn a
 // COMPLETED into "unknown request".
 //
@@ -8,21 +10,21 @@
 #pragma once
 
 #include <condition_variable>
-#include <map>
 #include <memory>
 #include <mutex>
-#include <set>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "engine/link.h"
+#include "util/id_slab.h"
 
 namespace hixl::engine {
 
 class Requests {
  public:
   // A submitted request on link's path (its path request id); deadline Clock::time_point::max(): none.
+  // 0 when IdSlab::kMaxLive requests are outstanding (the caller reports RESOURCE_EXHAUSTED).
   uint64_t add(std::shared_ptr<Link> link, uint64_t path_req, uint64_t user_data, int timeout_ms,
                Clock::time_point deadline);
 
@@ -56,13 +58,13 @@ class Requests {
   };
   // A request's status without consuming it from reqs_ (mu_ held); the path's is consumed.
   rdma::RequestResult poll_locked(Request& r);
-  void erase_locked(std::map<uint64_t, Request>::iterator it);
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
-  std::map<uint64_t, Request> reqs_;
-  std::set<std::pair<Clock::time_point, uint64_t>> deadlines_;  // requests with one
-  uint64_t next_ = 1;
+  util::IdSlab<Request> reqs_;
+  // No live request has a deadline before this (a lower bound: expire() scans the table only once
+  // it passed, then recomputes it), so the watchdog's tick costs nothing while nothing can expire.
+  Clock::time_point next_deadline_ = Clock::time_point::max();
 };
 
 }  // namespace hixl::engine

@@ -21,31 +21,20 @@ int Engine::ensure_link(const std::string& key, int timeout_ms, std::shared_ptr<
   return *out ? kSuccess : fail(kNotConnected, "auto-connect to " + key + " did not leave a link");
 }
 
-int Engine::prepare(const std::shared_ptr<Link>& link, TransferOp op, const std::vector<OpDesc>& descs,
-                    Clock::time_point deadline, std::vector<rdma::Desc>* out) {
-  if (descs.empty()) return fail(kParamInvalid, "transfer: empty descriptor list");
-  if (op != TransferOp::kRead && op != TransferOp::kWrite)
-    return fail(kParamInvalid, "transfer: unknown op " + std::to_string(int(op)));
-  if (!link->path) return fail(kFailed, "transfer: link to " + link->key + " has no data transport");
-  if (int rc = registry_.resolve_local(descs, out); rc != kSuccess) return rc;
-  const uint32_t need = op == TransferOp::kWrite ? wire::kRemoteWrite : wire::kRemoteRead;
-  auto resolve = [&](size_t* bad) {
-    std::lock_guard<std::mutex> g(link->mu);
-    const RegionEntry* last = nullptr;
-    for (size_t i = 0; i < descs.size(); ++i) {
-      const OpDesc& d = descs[i];
-      if (!(last && last->contains(d.remote_addr, d.len))) last = link->remote.find(d.remote_addr, d.len, need);
-      if (!last) {
-        *bad = i;
-        return false;
-      }
-      (*out)[i].rkey = last->key;
-    }
-    return true;
-  };
-  size_t bad = 0;
-  if (resolve(&bad)) return kSuccess;
-  // Not in our copy of the peer's regions: it may have registered since. Ask once, then decide.
+int Engine::find_link(const std::string& remote, int timeout_ms, const char* call, std::shared_ptr<Link>* out,
+                      std::string* key) {
+  // Links are kept under canonical names, and callers mostly pass one back: try it as given first.
+  if ((*out = links_.find(remote))) {
+    *key = remote;
+    return kSuccess;
+  }
+  auto canon = canonical(remote);
+  if (!canon) return fail(kParamInvalid, std::string(call) + ": \"" + remote + "\" is not an engine address");
+  *key = *canon;
+  return ensure_link(*key, timeout_ms, out);
+}
+
+void Engine::refresh_regions(const std::shared_ptr<Link>& link, Clock::time_point deadline) {
   uint64_t seq = link->expect();
   wire::Control q;
   q.type = wire::FrameType::kRegionsReq;
@@ -58,9 +47,37 @@ int Engine::prepare(const std::shared_ptr<Link>& link, TransferOp op, const std:
     link->forget(seq);
     log::info("region refresh from " + link->key + " failed: " + e.what());
   }
+}
+
+int Engine::prepare(const std::shared_ptr<Link>& link, TransferOp op, const OpDesc* descs, size_t n,
+                    Clock::time_point deadline, std::vector<rdma::Desc>* out) {
+  if (n == 0) return fail(kParamInvalid, "transfer: empty descriptor list");
+  if (op != TransferOp::kRead && op != TransferOp::kWrite)
+    return fail(kParamInvalid, "transfer: unknown op " + std::to_string(int(op)));
+  if (!link->path) return fail(kFailed, "transfer: link to " + link->key + " has no data transport");
+  if (int rc = registry_.resolve_local(descs, n, out); rc != kSuccess) return rc;
+  const uint32_t need = op == TransferOp::kWrite ? wire::kRemoteWrite : wire::kRemoteRead;
+  auto resolve = [&](size_t* bad) {
+    std::lock_guard<std::mutex> g(link->mu);
+    const RegionEntry* last = nullptr;
+    for (size_t i = 0; i < n; ++i) {
+      rdma::Desc& d = (*out)[i];  // the checked copy: what is posted is what was checked
+      if (!(last && last->contains(d.remote_addr, d.length))) last = link->remote.find(d.remote_addr, d.length, need);
+      if (!last) {
+        *bad = i;
+        return false;
+      }
+      d.rkey = last->key;
+    }
+    return true;
+  };
+  size_t bad = 0;
   if (resolve(&bad)) return kSuccess;
-  const OpDesc& d = descs[bad];
-  return fail(kParamInvalid, CallDesc("transfer").arg("desc", bad).hex("remote_addr", d.remote_addr).arg("len", d.len)
+  // Not in our copy of the peer's regions: it may have registered since. Ask once, then decide.
+  refresh_regions(link, deadline);
+  if (resolve(&bad)) return kSuccess;
+  const rdma::Desc& d = (*out)[bad];
+  return fail(kParamInvalid, CallDesc("transfer").arg("desc", bad).hex("remote_addr", d.remote_addr).arg("len", d.length)
                                  .str() + ": remote range is not inside a region " + link->key + " registered for " +
                                  (op == TransferOp::kWrite ? "remote write" : "remote read"));
 }
@@ -95,77 +112,272 @@ int Engine::submit_checks(TransferOp op, int64_t flag, const char* call) {
   return kSuccess;
 }
 
-int Engine::transfer_sync(const std::string& remote, TransferOp op, const std::vector<OpDesc>& descs,
-                          int timeout_ms, int64_t flag) {
+namespace {
+// Scratch for a transfer's checked descriptors: reused by the thread, so a transfer allocates
+// nothing here once the thread has seen its largest one.
+std::vector<rdma::Desc>& scratch() {
+  thread_local std::vector<rdma::Desc> v;
+  return v;
+}
+}  // namespace
+
+int Engine::run_sync(const std::shared_ptr<Link>& link, TransferOp op, const std::vector<rdma::Desc>& rd,
+                     Clock::time_point deadline, int timeout_ms, int64_t flag, const char* call) {
+  const std::string& key = link->key;
+  transport::Op top = op == TransferOp::kWrite ? transport::Op::kWrite : transport::Op::kRead;
+  rdma::RequestResult r;
+  try {
+    uint64_t id = link->path->submit(top, rd, std::max(left_until(deadline), milliseconds(1)),
+                                     flag < 0 ? transport::Flag() : transport::Flag(uint32_t(flag)));
+    r = link->path->wait(id, left_until(deadline));
+  } catch (const Error& e) {
+    remove_link(link, std::string("transfer failed: ") + e.what());
+    return fail(kFailed, std::string(call) + " to " + key + ": " + e.what());
+  }
+  if (r.status == TransferStatus::kCompleted) return ok();
+  if (r.status == TransferStatus::kFailed) {
+    remove_link(link, "transfer failed: " + r.error);
+    return fail(kFailed, std::string(call) + " to " + key + ": " + r.error);
+  }
+  if (!abort_link(link, std::string(call) + " timed out after " + std::to_string(timeout_ms) + " ms"))
+    return fail(kFailed, std::string(call) + " to " + key + ": not complete within " + std::to_string(timeout_ms) +
+                             " ms, and the peer did not confirm its queue pair is in the error state: writes "
+                             "already on the wire may still land. The link is closed");
+  return fail(kTimeout, std::string(call) + " to " + key + ": not complete within " + std::to_string(timeout_ms) +
+                            " ms; both queue pairs are in the error state, so none of its writes can land later. "
+                            "The link is closed");
+}
+
+std::pair<int, uint64_t> Engine::run_async(const std::shared_ptr<Link>& link, TransferOp op,
+                                           const std::vector<rdma::Desc>& rd, uint64_t user_data, int64_t flag,
+                                           int timeout_ms, Clock::time_point start, const char* call) {
+  uint64_t ep_req;
+  try {
+    ep_req = link->path->submit(op == TransferOp::kWrite ? transport::Op::kWrite : transport::Op::kRead, rd,
+                                milliseconds(-1), flag < 0 ? transport::Flag() : transport::Flag(uint32_t(flag)));
+  } catch (const Error& e) {
+    if (e.err() == EAGAIN)  // the path's table of requests not yet collected is full; the link is fine
+      return {fail(kResourceExhausted, std::string(call) + " to " + link->key + ": " + e.what()), 0};
+    remove_link(link, std::string("transfer failed: ") + e.what());
+    return {fail(kFailed, std::string(call) + " to " + link->key + ": " + e.what()), 0};
+  }
+  const auto deadline = timeout_ms > 0 ? start + milliseconds(timeout_ms) : Clock::time_point::max();
+  const uint64_t id = requests_.add(link, ep_req, user_data, timeout_ms, deadline);
+  if (!id) {  // more requests outstanding than the table holds: this one ends here, not unseen
+    link->path->wait(ep_req, milliseconds(timeout_ms > 0 ? timeout_ms : 60000));
+    return {fail(kResourceExhausted, std::string(call) + " to " + link->key + ": " +
+                                         std::to_string(util::IdSlab<int>::kMaxLive) +
+                                         " requests not yet collected with get_transfer_status (this one was waited for)"),
+            0};
+  }
+  return {ok(), id};
+}
+
+int Engine::transfer_sync(const std::string& remote, TransferOp op, const OpDesc* descs, size_t n, int timeout_ms,
+                          int64_t flag) {
   try {
     if (!ready()) return fail(kFailed, "transfer_sync: engine is not initialized");
     if (timeout_ms <= 0) return fail(kParamInvalid, "transfer_sync: timeout_in_millis must be > 0");
     if (int rc = submit_checks(op, flag, "transfer_sync"); rc != kSuccess) return rc;
-    auto key = canonical(remote);
-    if (!key) return fail(kParamInvalid, "transfer_sync: \"" + remote + "\" is not an engine address");
     auto deadline = Clock::now() + milliseconds(timeout_ms);
     std::shared_ptr<Link> link;
-    int rc = ensure_link(*key, timeout_ms, &link);
-    if (rc != kSuccess) return rc;
-    std::vector<rdma::Desc> rd;
-    rc = prepare(link, op, descs, deadline, &rd);
-    if (rc != kSuccess) return rc;
-    transport::Op top = op == TransferOp::kWrite ? transport::Op::kWrite : transport::Op::kRead;
-    rdma::RequestResult r;
-    try {
-      uint64_t id = link->path->submit(top, rd, std::max(left_until(deadline), milliseconds(1)),
-                                       flag < 0 ? transport::Flag() : transport::Flag(uint32_t(flag)));
-      r = link->path->wait(id, left_until(deadline));
-    } catch (const Error& e) {
-      remove_link(link, std::string("transfer failed: ") + e.what());
-      return fail(kFailed, "transfer_sync to " + *key + ": " + e.what());
-    }
-    if (r.status == TransferStatus::kCompleted) return ok();
-    if (r.status == TransferStatus::kFailed) {
-      remove_link(link, "transfer failed: " + r.error);
-      return fail(kFailed, "transfer_sync to " + *key + ": " + r.error);
-    }
-    if (!abort_link(link, "transfer_sync timed out after " + std::to_string(timeout_ms) + " ms"))
-      return fail(kFailed, "transfer_sync to " + *key + ": not complete within " + std::to_string(timeout_ms) +
-                               " ms, and the peer did not confirm its queue pair is in the error state: writes "
-                               "already on the wire may still land. The link is closed");
-    return fail(kTimeout, "transfer_sync to " + *key + ": not complete within " + std::to_string(timeout_ms) +
-                              " ms; both queue pairs are in the error state, so none of its writes can land later. "
-                              "The link is closed");
+    std::string key;
+    if (int rc = find_link(remote, timeout_ms, "transfer_sync", &link, &key); rc != kSuccess) return rc;
+    std::vector<rdma::Desc>& rd = scratch();
+    if (int rc = prepare(link, op, descs, n, deadline, &rd); rc != kSuccess) return rc;
+    return run_sync(link, op, rd, deadline, timeout_ms, flag, "transfer_sync");
   } catch (const std::exception& e) {
     return fail(kFailed, "transfer_sync(" + remote + "): " + e.what());
   }
 }
 
-std::pair<int, uint64_t> Engine::transfer_async(const std::string& remote, TransferOp op,
-                                                const std::vector<OpDesc>& descs, uint64_t user_data, int64_t flag,
-                                                int timeout_ms) {
+std::pair<int, uint64_t> Engine::transfer_async(const std::string& remote, TransferOp op, const OpDesc* descs,
+                                                size_t n, uint64_t user_data, int64_t flag, int timeout_ms) {
   try {
     const auto start = Clock::now();
     if (!ready()) return {fail(kFailed, "transfer_async: engine is not initialized"), 0};
     if (timeout_ms < 0) timeout_ms = opts_.async_timeout_ms;
     if (int rc = submit_checks(op, flag, "transfer_async"); rc != kSuccess) return {rc, 0};
-    auto key = canonical(remote);
-    if (!key) return {fail(kParamInvalid, "transfer_async: \"" + remote + "\" is not an engine address"), 0};
     std::shared_ptr<Link> link;
-    int rc = ensure_link(*key, 1000, &link);
-    if (rc != kSuccess) return {rc, 0};
-    std::vector<rdma::Desc> rd;
-    rc = prepare(link, op, descs, Clock::now() + milliseconds(1000), &rd);
-    if (rc != kSuccess) return {rc, 0};
-    uint64_t ep_req;
-    try {
-      ep_req = link->path->submit(op == TransferOp::kWrite ? transport::Op::kWrite : transport::Op::kRead, rd,
-                                  milliseconds(-1), flag < 0 ? transport::Flag() : transport::Flag(uint32_t(flag)));
-    } catch (const Error& e) {
-      remove_link(link, std::string("transfer failed: ") + e.what());
-      return {fail(kFailed, "transfer_async to " + *key + ": " + e.what()), 0};
-    }
-    const auto deadline = timeout_ms > 0 ? start + milliseconds(timeout_ms) : Clock::time_point::max();
-    const uint64_t id = requests_.add(link, ep_req, user_data, timeout_ms, deadline);
-    return {ok(), id};
+    std::string key;
+    if (int rc = find_link(remote, 1000, "transfer_async", &link, &key); rc != kSuccess) return {rc, 0};
+    std::vector<rdma::Desc>& rd = scratch();
+    if (int rc = prepare(link, op, descs, n, start + milliseconds(1000), &rd); rc != kSuccess) return {rc, 0};
+    return run_async(link, op, rd, user_data, flag, timeout_ms, start, "transfer_async");
   } catch (const std::exception& e) {
     return {fail(kFailed, "transfer_async(" + remote + "): " + e.what()), 0};
+  }
+}
+
+// ------------------------------------------------------------------- prepared descriptor lists
+std::pair<int, uint64_t> Engine::prep_descs(const std::string& remote, const uint64_t* addr, const uint64_t* len,
+                                            size_t n, int timeout_ms) {
+  try {
+    if (!ready()) return {fail(kFailed, "prep_descs: engine is not initialized"), 0};
+    if (n == 0) return {fail(kParamInvalid, "prep_descs: no blocks"), 0};
+    if (timeout_ms <= 0) return {fail(kParamInvalid, "prep_descs: timeout_in_millis must be > 0"), 0};
+    auto list = std::make_shared<DescList>();
+    list->addr.assign(addr, addr + n);
+    list->len.assign(len, len + n);
+    list->key.resize(n);
+    list->flags.resize(n);
+    if (remote.empty()) {
+      size_t bad = registry_.resolve_blocks(list->addr.data(), list->len.data(), n, list->key.data(),
+                                            list->flags.data(), DescList::kLocalOk, &list->version);
+      if (bad < n)
+        return {fail(kParamInvalid, CallDesc("prep_descs").arg("block", bad).hex("addr", addr[bad]).arg("len", len[bad])
+                                        .str() + ": empty, wrapping, or not inside a region registered here"),
+                0};
+    } else {
+      std::shared_ptr<Link> link;
+      if (int rc = find_link(remote, timeout_ms, "prep_descs", &link, &list->peer); rc != kSuccess) return {rc, 0};
+      list->remote = true;
+      auto resolve = [&] {
+        std::lock_guard<std::mutex> g(link->mu);
+        list->link = link;
+        return list->resolve_remote_locked(*link);
+      };
+      size_t bad = resolve();
+      if (bad < n) {  // the peer may have registered since it last sent its list: ask once
+        refresh_regions(link, Clock::now() + milliseconds(timeout_ms));
+        bad = resolve();
+      }
+      if (bad < n)
+        return {fail(kParamInvalid, CallDesc("prep_descs").arg("peer", list->peer).arg("block", bad)
+                                        .hex("addr", addr[bad]).arg("len", len[bad]).str() +
+                                        ": not inside a region the peer registered (for remote read or write)"),
+                0};
+    }
+    const uint64_t h = lists_.add(std::move(list));
+    if (!h) return {fail(kResourceExhausted, "prep_descs: too many prepared lists"), 0};
+    return {ok(), h};
+  } catch (const std::exception& e) {
+    return {fail(kFailed, "prep_descs: " + std::string(e.what())), 0};
+  }
+}
+
+int Engine::release_descs(uint64_t handle) {
+  if (!ready()) return fail(kFailed, "release_descs: engine is not initialized");
+  if (!lists_.remove(handle))
+    return fail(kParamInvalid, "release_descs(handle=" + std::to_string(handle) + "): no such prepared list");
+  return ok();
+}
+
+int Engine::build_prepped(TransferOp op, uint64_t local_list, const uint64_t* local_idx, uint64_t remote_list,
+                          const uint64_t* remote_idx, size_t n, int timeout_ms, const char* call,
+                          std::shared_ptr<Link>* link_out, std::vector<rdma::Desc>* out) {
+  if (n == 0) return fail(kParamInvalid, std::string(call) + ": no descriptors");
+  if (op != TransferOp::kRead && op != TransferOp::kWrite)
+    return fail(kParamInvalid, std::string(call) + ": unknown op " + std::to_string(int(op)));
+  auto L = lists_.get(local_list);
+  if (!L || L->remote)
+    return fail(kParamInvalid, CallDesc(call).arg("local_list", local_list).str() + ": not a prepared list of ours");
+  auto R = lists_.get(remote_list);
+  if (!R || !R->remote)
+    return fail(kParamInvalid, CallDesc(call).arg("remote_list", remote_list).str() + ": not a prepared list of a peer");
+  std::shared_ptr<Link>& link = *link_out;
+  if (int rc = ensure_link(R->peer, timeout_ms, &link); rc != kSuccess) return rc;
+  if (!link->path) return fail(kFailed, std::string(call) + ": link to " + link->key + " has no data transport");
+  const uint8_t need = op == TransferOp::kWrite ? wire::kRemoteWrite : wire::kRemoteRead;
+  const bool write = op == TransferOp::kWrite;
+  out->resize(n);
+  for (int attempt = 0;; ++attempt) {
+    size_t bad = n;
+    const char* why = nullptr;
+    bool remote_access = false;  // why: a remote block lacks the access (a refresh may help)
+    {
+      std::lock_guard<std::mutex> gl(L->mu);
+      std::lock_guard<std::mutex> gr(R->mu);
+      // A (de)registration here, or a new region list or a new link there, since the lists were
+      // resolved: resolve them again before trusting a key.
+      if (L->version != registry_.version())
+        registry_.resolve_blocks(L->addr.data(), L->len.data(), L->size(), L->key.data(), L->flags.data(),
+                                 DescList::kLocalOk, &L->version);
+      {
+        std::lock_guard<std::mutex> g(link->mu);
+        if (R->link.lock() != link || R->version != link->remote_version) {
+          R->resolve_remote_locked(*link);
+          R->link = link;
+        }
+      }
+      const size_t nl = L->size(), nr = R->size();
+      const uint64_t* la = L->addr.data();
+      const uint64_t* ll = L->len.data();
+      const uint64_t* ra = R->addr.data();
+      const uint64_t* rl = R->len.data();
+      const uint32_t* rkeys = write ? R->wkey.data() : R->key.data();
+      rdma::Desc* d = out->data();
+      for (size_t i = 0; i < n; ++i) {
+        const uint64_t li = local_idx[i], ri = remote_idx[i];
+        if (li >= nl || ri >= nr) {
+          bad = i, why = "index out of range";
+          break;
+        }
+        if (ll[li] != rl[ri]) {
+          bad = i, why = "the local and remote blocks differ in length";
+          break;
+        }
+        if (!(L->flags[li] & DescList::kLocalOk)) {
+          bad = i, why = "the local block is no longer inside a registered region";
+          break;
+        }
+        if (!(R->flags[ri] & need)) {
+          bad = i, remote_access = true;
+          why = write ? "the remote block is not inside a region the peer registered for remote write"
+                               : "the remote block is not inside a region the peer registered for remote read";
+          break;
+        }
+        d[i] = rdma::Desc{la[li], ra[ri], ll[li], rkeys[ri], L->key[li], true};
+      }
+    }
+    if (!why) return kSuccess;
+    // A remote block without the access: the peer may have registered since; ask once, then decide.
+    if (attempt == 0 && remote_access) {
+      refresh_regions(link, Clock::now() + milliseconds(std::max(1, timeout_ms)));
+      continue;
+    }
+    const uint64_t li = local_idx[bad], ri = remote_idx[bad];
+    return fail(kParamInvalid, CallDesc(call).arg("desc", bad).arg("local_idx", li).arg("remote_idx", ri)
+                                   .arg("local_blocks", L->size()).arg("remote_blocks", R->size()).str() + ": " + why);
+  }
+}
+
+int Engine::transfer_prepped_sync(TransferOp op, uint64_t local_list, const uint64_t* local_idx, uint64_t remote_list,
+                                  const uint64_t* remote_idx, size_t n, int timeout_ms, int64_t flag) {
+  const char* call = "transfer_prepped_sync";
+  try {
+    if (!ready()) return fail(kFailed, std::string(call) + ": engine is not initialized");
+    if (timeout_ms <= 0) return fail(kParamInvalid, std::string(call) + ": timeout_in_millis must be > 0");
+    if (int rc = submit_checks(op, flag, call); rc != kSuccess) return rc;
+    auto deadline = Clock::now() + milliseconds(timeout_ms);
+    std::shared_ptr<Link> link;
+    std::vector<rdma::Desc>& rd = scratch();
+    if (int rc = build_prepped(op, local_list, local_idx, remote_list, remote_idx, n, timeout_ms, call, &link, &rd);
+        rc != kSuccess)
+      return rc;
+    return run_sync(link, op, rd, deadline, timeout_ms, flag, call);
+  } catch (const std::exception& e) {
+    return fail(kFailed, std::string(call) + ": " + e.what());
+  }
+}
+
+std::pair<int, uint64_t> Engine::transfer_prepped_async(TransferOp op, uint64_t local_list, const uint64_t* local_idx,
+                                                        uint64_t remote_list, const uint64_t* remote_idx, size_t n,
+                                                        uint64_t user_data, int64_t flag, int timeout_ms) {
+  const char* call = "transfer_prepped_async";
+  try {
+    const auto start = Clock::now();
+    if (!ready()) return {fail(kFailed, std::string(call) + ": engine is not initialized"), 0};
+    if (timeout_ms < 0) timeout_ms = opts_.async_timeout_ms;
+    if (int rc = submit_checks(op, flag, call); rc != kSuccess) return {rc, 0};
+    std::shared_ptr<Link> link;
+    std::vector<rdma::Desc>& rd = scratch();
+    if (int rc = build_prepped(op, local_list, local_idx, remote_list, remote_idx, n, 1000, call, &link, &rd);
+        rc != kSuccess)
+      return {rc, 0};
+    return run_async(link, op, rd, user_data, flag, timeout_ms, start, call);
+  } catch (const std::exception& e) {
+    return {fail(kFailed, std::string(call) + ": " + e.what()), 0};
   }
 }
 

@@ -1,5 +1,6 @@
 // The engine's parts, each alone (no device, no peer, no engine): the registry, the inbox, the
-// link table, the handshake limits and the request table (over a scripted data path). Their behaviour through the engine is covered by pytest.
+// link table, the handshake limits, the request table (over a scripted data path), the slab behind
+// the request tables and the prepared descriptor lists. Their behaviour through the engine is covered by pytest.
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -10,11 +11,13 @@
 #include <vector>
 
 #include "check.h"
+#include "engine/desc_lists.h"
 #include "engine/handshakes.h"
 #include "engine/inbox.h"
 #include "engine/link_table.h"
 #include "engine/registry.h"
 #include "engine/requests.h"
+#include "util/id_slab.h"
 
 using namespace hixl;
 using namespace hixl::engine;
@@ -51,11 +54,23 @@ void registry() {
   CHECK(r.extents().empty());  // no memfd behind plain heap memory
   // Local resolution: inside one region; the first bad descriptor is named.
   std::vector<rdma::Desc> out;
-  CHECK_EQ(r.resolve_local({{pa, 0x100, 64}, {pb + 8, 0x200, 8}}, &out), kSuccess);
+  auto resolve = [&](std::vector<OpDesc> d) { return r.resolve_local(d.data(), d.size(), &out); };
+  CHECK_EQ(resolve({{pa, 0x100, 64}, {pb + 8, 0x200, 8}}), kSuccess);
   CHECK(out.size() == 2 && out[1].local_addr == pb + 8 && out[1].length == 8 && out[1].has_lkey);
-  CHECK_EQ(r.resolve_local({{pa, 0x100, 64}, {pa + 4090, 0x200, 8}}, &out), kParamInvalid);
+  CHECK_EQ(resolve({{pa, 0x100, 64}, {pa + 4090, 0x200, 8}}), kParamInvalid);
   CHECK(detail::last_error().find("desc=1") != std::string::npos);
-  CHECK_EQ(r.resolve_local({{pa, 0x100, 0}}, &out), kParamInvalid);
+  CHECK_EQ(resolve({{pa, 0x100, 0}}), kParamInvalid);
+  // Prepared blocks: every block resolved (keys and flags), the first bad one named; the version
+  // tells a list to resolve again after a (de)registration.
+  {
+    uint64_t addrs[3] = {pa, pb + 8, pa + 4090}, lens[3] = {64, 8, 8}, ver = 0;
+    uint32_t keys[3];
+    uint8_t flags[3];
+    CHECK_EQ(r.resolve_blocks(addrs, lens, 3, keys, flags, 4, &ver), size_t(2));
+    CHECK(flags[0] == 4 && flags[1] == 4 && flags[2] == 0 && ver == r.version());
+    lens[2] = 0;
+    CHECK_EQ(r.resolve_blocks(addrs, lens, 2, keys, flags, 4, &ver), size_t(2));
+  }
   // Access for tcp peers: b is read-only.
   CHECK(r.allows(pa, 64, wire::kRemoteWrite) && r.allows(pb, 64, wire::kRemoteRead));
   CHECK(!r.allows(pb, 64, wire::kRemoteWrite) && !r.allows(pa + 4000, 200, 0));
@@ -310,9 +325,54 @@ void handshakes() {
   CHECK(::recv(d.fd(), &byte, 1, 0) == 0);
 }
 
+// IdSlab: ids never repeat, grow with issue order, a stale id (its slot reused) is not found, and
+// references stay valid while slots are added.
+void id_slab() {
+  util::IdSlab<std::string> s;
+  const uint64_t a = s.add("a"), b = s.add("b");
+  CHECK(a != 0 && b > a && s.size() == 2);
+  std::string* pa = s.find(a);
+  for (int i = 0; i < 10000; ++i) s.erase(s.add(std::to_string(i)));  // grows and reuses slots
+  CHECK(pa == s.find(a) && *pa == "a");  // not moved by the adds
+  s.erase(a);
+  CHECK(!s.find(a) && s.size() == 1);
+  const uint64_t c = s.add("c");  // reuses a's slot under a new id
+  CHECK(c > b && (c & util::IdSlab<std::string>::kIndexMask) == (a & util::IdSlab<std::string>::kIndexMask));
+  CHECK(!s.find(a) && *s.find(c) == "c");
+  CHECK(!s.find(0) && !s.find(uint64_t(1) << 60));
+  s.erase(a);  // stale: no effect
+  CHECK(s.size() == 2 && *s.find(b) == "b");
+  size_t seen = 0;
+  s.for_each([&](uint64_t, std::string&) { ++seen; });
+  CHECK_EQ(seen, size_t(2));
+}
+
+// A remote list resolves each block against the peer's regions by access, keeps going past a block
+// without a region (only transfers using it are refused) and names the first such block.
+void desc_lists() {
+  Link link;
+  link.remote.assign({{0x1000, 0x1000, 11, wire::kRemoteRead | wire::kRemoteWrite, 0},
+                      {0x4000, 0x1000, 22, wire::kRemoteRead, 1}});
+  link.remote_version = 7;
+  auto l = std::make_shared<DescList>();
+  l->remote = true;
+  l->addr = {0x1000, 0x4800, 0x3000, 0x1ff8};
+  l->len = {64, 64, 64, 16};
+  CHECK_EQ(l->resolve_remote_locked(link), size_t(2));
+  CHECK(l->flags[0] == (wire::kRemoteRead | wire::kRemoteWrite) && l->key[0] == 11 && l->wkey[0] == 11);
+  CHECK(l->flags[1] == wire::kRemoteRead && l->key[1] == 22);  // read-only region: no write key
+  CHECK(l->flags[2] == 0 && l->flags[3] == 0 && l->version == 7);  // none; crosses the region's end
+  DescLists lists;
+  const uint64_t h = lists.add(l);
+  CHECK(h && lists.get(h) == l && lists.size() == 1);
+  CHECK(lists.remove(h) && !lists.remove(h) && !lists.get(h));
+}
+
 }  // namespace
 
 int main() {
+  id_slab();
+  desc_lists();
   registry();
   inbox();
   link_table();

@@ -40,16 +40,16 @@ void RdmaPath::close() {
 
 QueuedPath::~QueuedPath() { stop_worker(); }
 
-Result QueuedPath::run(const Job& job) {
+Result QueuedPath::run(Op op, const std::vector<Desc>& descs, Flag flag, Clock::time_point deadline) {
   if (closed()) return {Status::kFailed, std::string(name()) + " path closed"};
-  if (Clock::now() >= job.deadline) return {Status::kTimeout, std::string(name()) + " path: deadline passed in the queue"};
-  Result r = execute(job.op, job.descs, job.deadline);
-  if (r.status == Status::kCompleted && job.flag) {
+  if (Clock::now() >= deadline) return {Status::kTimeout, std::string(name()) + " path: deadline passed in the queue"};
+  Result r = execute(op, descs, deadline);
+  if (r.status == Status::kCompleted && flag) {
     try {
-      flag_sender_(*job.flag);
+      flag_sender_(*flag);
     } catch (const std::exception& e) {
       return {Status::kFailed, std::string(name()) + " path: the bytes landed, but the completion flag " +
-                                   std::to_string(*job.flag) + " could not be sent: " + e.what()};
+                                   std::to_string(*flag) + " could not be sent: " + e.what()};
     }
   }
   return r;
@@ -60,34 +60,58 @@ bool QueuedPath::closed() const {
   return closed_;
 }
 
+void QueuedPath::finish(uint64_t id, Result r) {
+  std::lock_guard<std::mutex> g(mu_);
+  --running_;
+  if (Entry* e = reqs_.find(id)) {
+    e->done = true;
+    e->result = std::move(r);
+  }
+  cv_.notify_all();
+}
+
 uint64_t QueuedPath::submit(Op op, const std::vector<Desc>& descs, milliseconds timeout, Flag flag) {
   if (flag && (op != Op::kWrite || !flag_sender_)) throw Error(std::string(name()) + " path: a completion flag needs a WRITE");
+  const bool async = timeout.count() < 0;
+  const uint64_t inline_max = async ? inline_bytes() : 0;
+  bool small = inline_max > 0;
+  if (small) {
+    uint64_t bytes = 0;
+    for (const Desc& d : descs)
+      if ((bytes += d.length) > inline_max) {
+        small = false;
+        break;
+      }
+  }
+  const auto deadline = async ? Clock::time_point::max() : Clock::now() + timeout;
   uint64_t id;
   {
     std::lock_guard<std::mutex> g(mu_);
     if (closed_) throw Error(std::string(name()) + " path is closed");
-    id = next_id_++;
-    live_[id] = true;
-    // Asynchronous requests queue. So does a flagged synchronous one while earlier requests are
-    // queued or running: its flag must follow their bytes (the caller then waits with its deadline).
-    if (timeout.count() < 0 || (flag && (!queue_.empty() || worker_busy_))) {
-      auto deadline = timeout.count() < 0 ? Clock::time_point::max() : Clock::now() + timeout;
+    id = reqs_.add(Entry{});
+    if (!id)
+      throw Error(std::string(name()) + " path: " + std::to_string(reqs_.size()) +
+                      " requests not yet collected with status()/wait()", EAGAIN);
+    const bool idle = queue_.empty() && running_ == 0;
+    // Asynchronous requests queue (unless small and nothing is ahead of them). So does a flagged
+    // synchronous one while earlier requests are queued or running: its flag must follow their
+    // bytes (the caller then waits with its deadline).
+    if ((async && !(small && idle)) || (!async && flag && !idle)) {
       queue_.push_back({id, op, descs, flag, deadline});
       if (!worker_.joinable()) worker_ = std::thread([this] { worker_loop(); });
       cv_.notify_all();
       return id;
     }
+    ++running_;
   }
-  // Synchronous: run here (run_mu_ waits for the worker's current job; unflagged jobs queued earlier
-  // may still follow, like requests on independent QPs).
+  // Here: synchronous (run_mu_ waits for the worker's current job; unflagged jobs queued earlier
+  // may still follow, like requests on independent QPs), or small with nothing ahead of it.
   Result r;
   {
     std::lock_guard<std::mutex> g(run_mu_);
-    r = run({id, op, descs, flag, Clock::now() + timeout});
+    r = run(op, descs, flag, deadline);
   }
-  std::lock_guard<std::mutex> g(mu_);
-  done_[id] = r;
-  cv_.notify_all();
+  finish(id, std::move(r));
   return id;
 }
 
@@ -100,36 +124,33 @@ void QueuedPath::worker_loop() {
       if (closed_) return;
       job = std::move(queue_.front());
       queue_.pop_front();
-      worker_busy_ = true;
+      ++running_;
     }
     Result r;
     {
       std::lock_guard<std::mutex> g(run_mu_);
-      r = run(job);
+      r = run(job.op, job.descs, job.flag, job.deadline);
     }
-    std::lock_guard<std::mutex> g(mu_);
-    worker_busy_ = false;
-    done_[job.id] = r;
-    cv_.notify_all();
+    finish(job.id, std::move(r));
   }
 }
 
 Result QueuedPath::status(uint64_t req) {
   std::lock_guard<std::mutex> g(mu_);
-  auto it = done_.find(req);
-  if (it != done_.end()) {
-    Result r = it->second;
-    done_.erase(it);
-    live_.erase(req);
-    return r;
-  }
-  if (live_.count(req)) return {Status::kWaiting, ""};
-  return {Status::kFailed, "unknown request " + std::to_string(req)};
+  Entry* e = reqs_.find(req);
+  if (!e) return {Status::kFailed, "unknown request " + std::to_string(req)};
+  if (!e->done) return {Status::kWaiting, ""};
+  Result r = std::move(e->result);
+  reqs_.erase(req);
+  return r;
 }
 
 bool QueuedPath::wait_done(uint64_t req, milliseconds timeout) {
   std::unique_lock<std::mutex> lk(mu_);
-  auto pred = [&] { return done_.count(req) || !live_.count(req); };
+  auto pred = [&] {
+    const Entry* e = reqs_.find(req);
+    return !e || e->done;
+  };
   if (timeout.count() < 0) {
     cv_.wait(lk, pred);
     return true;
@@ -148,7 +169,11 @@ void QueuedPath::stop_worker() {
     std::lock_guard<std::mutex> g(mu_);
     first = !closed_;
     closed_ = true;  // submit() refuses from now on, so worker_ is not started any more
-    for (auto& j : queue_) done_[j.id] = {Status::kFailed, std::string(name()) + " path closed before the request ran"};
+    for (auto& j : queue_)
+      if (Entry* e = reqs_.find(j.id)) {
+        e->done = true;
+        e->result = {Status::kFailed, std::string(name()) + " path closed before the request ran"};
+      }
     queue_.clear();
     cv_.notify_all();
   }

@@ -9,7 +9,6 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
-#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -18,6 +17,7 @@
 #include <vector>
 
 #include "transport/rdma_endpoint.h"
+#include "util/id_slab.h"
 
 namespace hixl::transport {
 
@@ -75,9 +75,12 @@ class RdmaPath final : public DataPath {
 };
 
 // Paths whose bytes are moved by a CPU on this side (same-host, TCP): synchronous requests run in the
-// caller's thread; asynchronous ones are queued to one worker thread per link, in order. A request's
-// flag goes out through the sender (the engine: a Flag frame on the link's control connection) once
-// execute() completed, before the request reports COMPLETED.
+// caller's thread; asynchronous ones are queued to one worker thread per link, in order, except a
+// small one (at most inline_bytes(), 0: never) submitted while nothing is queued or running: it
+// runs in the caller's thread at once (handing it to the worker would cost two thread switches,
+// far more than moving a few KiB). A request's flag goes out through the sender (the engine: a Flag
+// frame on the link's control connection) once execute() completed, before the request reports
+// COMPLETED.
 class QueuedPath : public DataPath {
  public:
   ~QueuedPath() override;
@@ -95,6 +98,8 @@ class QueuedPath : public DataPath {
   virtual Result execute(Op op, const std::vector<Desc>& descs, Clock::time_point deadline) = 0;
   // Called once by close() before the worker is joined: unblock execute() (shut sockets down...).
   virtual void interrupt() {}
+  // Asynchronous requests of at most this many bytes may run in the submitting thread (see above).
+  virtual uint64_t inline_bytes() const { return 0; }
   bool closed() const;
   // Marks the path closed, fails queued jobs, interrupt()s, joins the worker. Derived destructors
   // call it first (the worker calls their execute()).
@@ -108,19 +113,22 @@ class QueuedPath : public DataPath {
     Flag flag;
     Clock::time_point deadline;
   };
+  struct Entry {        // a request not yet reported
+    bool done = false;  // result holds its terminal status
+    Result result;
+  };
   void worker_loop();
-  Result run(const Job& job);  // under run_mu_
+  Result run(Op op, const std::vector<Desc>& descs, Flag flag, Clock::time_point deadline);  // under run_mu_
+  void finish(uint64_t id, Result r);  // records a terminal status, wakes waiters
   FlagSink flag_sender_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::mutex run_mu_;  // one execute() at a time: requests of a link run in submission order
   std::mutex join_mu_;
   bool closed_ = false;
-  bool worker_busy_ = false;  // the worker took a job and has not reported it yet
-  uint64_t next_id_ = 1;
+  int running_ = 0;  // jobs taken off the queue (or run inline) and not yet reported
   std::deque<Job> queue_;
-  std::map<uint64_t, Result> done_;
-  std::map<uint64_t, bool> live_;  // submitted, not yet reported
+  util::IdSlab<Entry> reqs_;
   std::thread worker_;
 };
 

@@ -327,10 +327,10 @@ void Endpoint::mark_dead_locked(const std::string& why) {
 void Endpoint::fail_all_locked(const std::string& why) {
   for (auto& [seq, id] : inflight_) {
     (void)seq;
-    auto it = reqs_.find(id);
-    if (it != reqs_.end() && it->second.status == Status::kWaiting) {
-      it->second.status = Status::kFailed;
-      it->second.error = why;
+    Req* r = reqs_.find(id);
+    if (r && r->status == Status::kWaiting) {
+      r->status = Status::kFailed;
+      r->error = why;
     }
   }
   inflight_.clear();
@@ -375,8 +375,8 @@ int Endpoint::progress_locked(int budget) {
 void Endpoint::retire_completed_locked() {
   bool any = false;
   while (!inflight_.empty() && inflight_.front().first <= completed_seq_) {
-    auto it = reqs_.find(inflight_.front().second);
-    if (it != reqs_.end() && it->second.status == Status::kWaiting) it->second.status = Status::kCompleted;
+    Req* r = reqs_.find(inflight_.front().second);
+    if (r && r->status == Status::kWaiting) r->status = Status::kCompleted;
     inflight_.pop_front();
     any = true;
   }
@@ -456,9 +456,11 @@ uint64_t Endpoint::submit(Op op, const std::vector<Desc>& descs, uint32_t imm, m
   if (pure_flag) total = 1;
   std::unique_lock<std::mutex> lk(mu_);
   check_usable_locked();
-  uint64_t id = next_req_++;
-  Req& req = reqs_[id];
-  req.deadline = deadline_after(timeout);
+  uint64_t id = reqs_.add(Req{Status::kWaiting, deadline_after(timeout), {}});
+  if (!id)
+    throw Error(CallDesc("submit").arg("op", op_name(op)).arg("outstanding_requests", reqs_.size()).str() +
+                ": too many requests not yet collected with status()/wait()", EAGAIN);
+  Req& req = *reqs_.find(id);  // stays valid while mu_ is dropped to wait for room (IdSlab's deque)
 
   if (total == 0) {
     req.status = Status::kCompleted;
@@ -562,9 +564,9 @@ uint64_t Endpoint::submit(Op op, const std::vector<Desc>& descs, uint32_t imm, m
 
 bool Endpoint::done_locked(uint64_t id) {
   if (connected_ && !closed_) progress_locked(int(sq_depth_));
-  auto it = reqs_.find(id);
-  if (it == reqs_.end()) return true;
-  Req& r = it->second;
+  Req* found = reqs_.find(id);
+  if (!found) return true;
+  Req& r = *found;
   if (r.status == Status::kWaiting && r.deadline != Clock::time_point::max() && Clock::now() >= r.deadline) {
     r.status = Status::kTimeout;
     r.error = "request " + std::to_string(id) + " passed its deadline";
@@ -574,10 +576,10 @@ bool Endpoint::done_locked(uint64_t id) {
 
 RequestResult Endpoint::status_locked(uint64_t id) {
   if (!done_locked(id)) return {Status::kWaiting, ""};
-  auto it = reqs_.find(id);
-  if (it == reqs_.end()) return {Status::kFailed, "unknown request " + std::to_string(id)};
-  RequestResult out{it->second.status, it->second.error};
-  reqs_.erase(it);
+  Req* r = reqs_.find(id);
+  if (!r) return {Status::kFailed, "unknown request " + std::to_string(id)};
+  RequestResult out{r->status, std::move(r->error)};
+  reqs_.erase(id);
   return out;
 }
 

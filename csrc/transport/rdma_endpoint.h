@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "transport/oob.h"
+#include "util/id_slab.h"
 #include "verbs/device.h"
 #include "verbs/resources.h"
 #include "wire/wire.h"
@@ -184,8 +185,7 @@ class Endpoint {
   bool channel_waiter_ = false;  // one thread at a time sleeps on the send completion channel
   uint64_t next_seq_ = 0;       // last sequence handed out
   uint64_t completed_seq_ = 0;  // every WR up to this one has completed
-  uint64_t next_req_ = 1;
-  std::unordered_map<uint64_t, Req> reqs_;
+  util::IdSlab<Req> reqs_;  // no allocation per request (util/id_slab.h)
   std::deque<std::pair<uint64_t, uint64_t>> inflight_;  // (last_seq, req), in SQ order
   std::string dead_reason_;
   Stats stats_;

@@ -37,6 +37,11 @@ class ShmPath final : public QueuedPath {
 
  protected:
   Result execute(Op op, const std::vector<Desc>& descs, Clock::time_point deadline) override;
+  // Up to 64 KiB, an async request costs less copied here than handed to the worker thread.
+  uint64_t inline_bytes() const override { return kInlineBytes; }
+
+ public:
+  static constexpr uint64_t kInlineBytes = 64u << 10;
 
  private:
   struct View {  // one mmap of a peer memfd; unmapped when the last user lets go

@@ -30,8 +30,11 @@ import threading
 import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
+
 from . import _core
 from .connect_pool import ConnectPool
+from .descs import as_desc_array, as_u64_vector
 from .types import (
     FAILED,
     PARAM_INVALID,
@@ -57,6 +60,7 @@ _log = logging.getLogger("hixl")
 
 _INT32_MAX = 2 ** 31 - 1
 _U64_MAX = 2 ** 64 - 1
+_U64_LIMIT = 2 ** 64
 _DEFAULT_TIMEOUT_MS = 1000
 _ACCESS = {"rw": 3, "ro": 1, "wo": 2, "none": 0}  # wire::RegionAccess bits: remote read 1, remote write 2
 
@@ -78,6 +82,8 @@ def _enum(v: Any, cls: Any) -> Optional[int]:
     n = _int(v, 0, 255)
     return n if n is not None and n in values else None
 
+
+_STATUS = {int(m): m for m in TransferStatus}  # TransferStatus(v) costs a microsecond per call
 
 _LIVE: "weakref.WeakSet[Hixl]" = weakref.WeakSet()
 
@@ -388,16 +394,20 @@ class Hixl:
             o = _enum(op, TransferOp)
             if o is None:
                 return self._refuse("transfer_sync: op %r is not a TransferOp" % (op,))
-            descs = self._descs(op_descs)
+            arr = as_desc_array(op_descs) if isinstance(op_descs, np.ndarray) else None
+            descs = arr if arr is not None else self._descs(op_descs)
             if descs is None:
                 return self._refuse("transfer_sync: op_descs must be a non-empty list of TransferOpDesc "
-                                    "with non-zero u64 addresses and len > 0")
+                                    "with non-zero u64 addresses and len > 0, or a descriptor array "
+                                    "((N, 3) u64 or hixl.DESC_DTYPE)")
             t = self._timeout(timeout_in_millis)
             if t is None:
                 return self._refuse("transfer_sync: timeout_in_millis %r must be in 1..2**31-1" % (timeout_in_millis,))
             f = self._flag(flag, o)
             if f is None:
                 return self._refuse("transfer_sync: flag %r must be None or a u32, with op WRITE" % (flag,))
+            if arr is not None:
+                return self._done(self._engine.transfer_sync_array(remote_engine, o, arr, t, f))
             return self._done(self._engine.transfer_sync(remote_engine, o, descs, t, f))
         except Exception as e:
             return self._failed("transfer_sync", e)
@@ -414,6 +424,23 @@ class Hixl:
         for a :meth:`transfer_sync` TIMEOUT. A peer that stops answering the link's heartbeat
         (``HixlHeartbeatMs`` x ``HixlHeartbeatMisses``) ends its requests FAILED sooner."""
         try:
+            if (args is None and optional_args is None and flag is None and timeout_in_millis is None
+                    and not self._finalized and type(op) is TransferOp and remote_engine in self._good_remotes):
+                # The common call, checked in fewer steps (the same checks): a known peer, a TransferOp,
+                # no options. This is the per-request cost of a Python loop of small transfers.
+                if type(op_descs) is list and len(op_descs) == 1:
+                    d = op_descs[0]
+                    la, ra, n = getattr(d, "local_addr", None), getattr(d, "remote_addr", None), getattr(d, "len", None)
+                    if (type(la) is int and type(ra) is int and type(n) is int and 0 < n and 0 < la and 0 < ra
+                            and la + n <= _U64_LIMIT and ra + n <= _U64_LIMIT):
+                        rc, req = self._engine.transfer_async_one(remote_engine, op, la, ra, n)
+                        self._tls.last_error = "" if rc == SUCCESS else self._engine.last_error()
+                        return rc, req
+                descs = self._descs(op_descs) if type(op_descs) is list else None
+                if descs is not None:
+                    rc, req = self._engine.transfer_async(remote_engine, int(op), descs, 0, -1, -1)
+                    self._tls.last_error = "" if rc == SUCCESS else self._engine.last_error()
+                    return rc, req
             if self._finalized:
                 return FAILED, 0
             if self._remote(remote_engine) is None:
@@ -421,10 +448,12 @@ class Hixl:
             o = _enum(op, TransferOp)
             if o is None:
                 return self._refuse("transfer_async: op %r is not a TransferOp" % (op,)), 0
-            descs = self._descs(op_descs)
+            arr = as_desc_array(op_descs) if isinstance(op_descs, np.ndarray) else None
+            descs = arr if arr is not None else self._descs(op_descs)
             if descs is None:
                 return self._refuse("transfer_async: op_descs must be a non-empty list of TransferOpDesc "
-                                    "with non-zero u64 addresses and len > 0"), 0
+                                    "with non-zero u64 addresses and len > 0, or a descriptor array "
+                                    "((N, 3) u64 or hixl.DESC_DTYPE)"), 0
             if args is None:
                 args = TransferArgs() if optional_args is None else optional_args  # optional_args: our old name
             ud = _int(getattr(args, "user_data", None), 0, _U64_MAX)
@@ -439,10 +468,108 @@ class Hixl:
                 if t is None:
                     return self._refuse("transfer_async: timeout_in_millis %r must be None or in 1..2**31-1"
                                         % (timeout_in_millis,)), 0
-            rc, req = self._engine.transfer_async(remote_engine, o, descs, ud, f, t)
+            if arr is not None:
+                rc, req = self._engine.transfer_async_array(remote_engine, o, arr, ud, f, t)
+            else:
+                rc, req = self._engine.transfer_async(remote_engine, o, descs, ud, f, t)
             return self._done(rc), req
         except Exception as e:
             return self._failed("transfer_async", e), 0
+
+    # ------------------------------------------------------ prepared descriptor lists
+    def prep_descs(self, addrs: Any, lens: Any, remote_engine: Optional[str] = None,
+                   timeout_in_millis: int = _DEFAULT_TIMEOUT_MS) -> Tuple[int, int]:
+        """``(SUCCESS, handle)``: a prepared descriptor list of blocks ``[addrs[i], addrs[i]+lens[i])``
+        (beyond CANN; see :mod:`hixl.descs`). ``remote_engine`` None: our registered memory; else a
+        connected peer's (auto-connected with AutoConnect), each block inside a region it registered.
+        ``addrs``: a sequence or 1-D array of ints; ``lens``: the same, or one int for all. Each
+        block is validated and resolved to its region once, here; transfers then name blocks by
+        index. A (de)registration on either side later makes the next transfer resolve the list
+        again, and refuses a block that lost its region. PARAM_INVALID names the first bad block."""
+        try:
+            if self._finalized:
+                return FAILED, 0
+            a = as_u64_vector(addrs)
+            n = as_u64_vector(lens, None if a is None else len(a))
+            if a is None or n is None or len(a) != len(n):
+                return self._refuse("prep_descs: addrs and lens must be equally long non-empty sequences of u64 "
+                                    "(lens may be one int)"), 0
+            remote = ""
+            if remote_engine is not None:
+                if self._remote(remote_engine) is None:
+                    return self._refuse("prep_descs: bad remote_engine %r" % (remote_engine,)), 0
+                remote = remote_engine
+            t = self._timeout(timeout_in_millis)
+            if t is None:
+                return self._refuse("prep_descs: timeout_in_millis %r must be in 1..2**31-1" % (timeout_in_millis,)), 0
+            rc, h = self._engine.prep_descs(remote, a, n, t)
+            return self._done(rc), h
+        except Exception as e:
+            return self._failed("prep_descs", e), 0
+
+    def release_descs(self, handle: Any) -> int:
+        """Frees a prepared list; PARAM_INVALID for a handle not issued or already released."""
+        try:
+            if self._finalized:
+                return FAILED
+            h = _int(handle, 1, _U64_MAX)
+            if h is None:
+                return self._refuse("release_descs: handle %r is not a prepared list handle" % (handle,))
+            return self._done(self._engine.release_descs(h))
+        except Exception as e:
+            return self._failed("release_descs", e)
+
+    def _prepped(self, name: str, sync: bool, op: Any, local_descs: Any, local_idx: Any, remote_descs: Any,
+                 remote_idx: Any, timeout: Any, flag: Any, user_data: Any) -> Tuple[int, int]:
+        if self._finalized:
+            return FAILED, 0
+        o = _enum(op, TransferOp)
+        if o is None:
+            return self._refuse("%s: op %r is not a TransferOp" % (name, op)), 0
+        lh, rh = _int(local_descs, 1, _U64_MAX), _int(remote_descs, 1, _U64_MAX)
+        if lh is None or rh is None:
+            return self._refuse("%s: local_descs and remote_descs must be prep_descs handles" % name), 0
+        li, ri = as_u64_vector(local_idx), as_u64_vector(remote_idx)
+        if li is None or ri is None or len(li) != len(ri):
+            return self._refuse("%s: local_idx and remote_idx must be equally long non-empty sequences of "
+                                "non-negative ints" % name), 0
+        f = self._flag(flag, o)
+        if f is None:
+            return self._refuse("%s: flag %r must be None or a u32, with op WRITE" % (name, flag)), 0
+        if sync:
+            t = self._timeout(_DEFAULT_TIMEOUT_MS if timeout is None else timeout)
+        else:
+            t = -1 if timeout is None else self._timeout(timeout)
+        if t is None:
+            return self._refuse("%s: timeout_in_millis %r must be in 1..2**31-1" % (name, timeout)), 0
+        ud = _int(user_data, 0, _U64_MAX)
+        if ud is None:
+            return self._refuse("%s: user_data must be a u64" % name), 0
+        rc, req = self._engine.transfer_prepped(o, lh, li, rh, ri, sync, t, ud, f)
+        return self._done(rc), req
+
+    def transfer_prepped_async(self, op: Any, local_descs: int, local_idx: Any, remote_descs: int, remote_idx: Any,
+                               *, flag: Optional[int] = None, timeout_in_millis: Optional[int] = None,
+                               user_data: int = 0) -> Tuple[int, int]:
+        """``(SUCCESS, req)`` like :meth:`transfer_async`, for the descriptors (block
+        ``local_idx[i]`` of prepared list ``local_descs``, block ``remote_idx[i]`` of the peer's
+        prepared list ``remote_descs``); the two blocks of each pair must have the same length.
+        Indices: sequences or 1-D int arrays of equal length (numpy: no Python object per
+        descriptor). Bad indices, lengths or access give PARAM_INVALID naming the pair."""
+        try:
+            return self._prepped("transfer_prepped_async", False, op, local_descs, local_idx, remote_descs,
+                                 remote_idx, timeout_in_millis, flag, user_data)
+        except Exception as e:
+            return self._failed("transfer_prepped_async", e), 0
+
+    def transfer_prepped_sync(self, op: Any, local_descs: int, local_idx: Any, remote_descs: int, remote_idx: Any,
+                              timeout_in_millis: int = _DEFAULT_TIMEOUT_MS, *, flag: Optional[int] = None) -> int:
+        """:meth:`transfer_sync` for prepared lists (see :meth:`transfer_prepped_async`)."""
+        try:
+            return self._prepped("transfer_prepped_sync", True, op, local_descs, local_idx, remote_descs, remote_idx,
+                                 timeout_in_millis, flag, 0)[0]
+        except Exception as e:
+            return self._failed("transfer_prepped_sync", e)
 
     def get_transfer_status(self, req: Any) -> Tuple[int, TransferStatus]:
         """``(SUCCESS, status)``. After COMPLETED/FAILED the request is freed; an unknown
@@ -458,7 +585,7 @@ class Hixl:
                 self._tls.last_error = "FAILED: get_transfer_status: request 0 is no request (a failed transfer_async)"
                 return FAILED, TransferStatus.FAILED
             rc, st = self._engine.transfer_status(r)
-            return self._done(rc), TransferStatus(st)
+            return self._done(rc), _STATUS[st]
         except Exception as e:
             return self._failed("get_transfer_status", e), TransferStatus.FAILED
 
@@ -511,6 +638,11 @@ class Hixl:
         """Blocks (GIL released) until request ``req`` ends or the timeout (None: no limit) passes,
         then answers like :meth:`get_transfer_status`: WAITING (request kept) on timeout."""
         try:
+            if (type(req) is int and type(timeout_in_millis) is int and 0 < req <= _U64_MAX
+                    and 0 <= timeout_in_millis <= _INT32_MAX and not self._finalized):  # the common call
+                rc, st = self._engine.transfer_wait(req, timeout_in_millis)
+                self._tls.last_error = "" if rc == SUCCESS else self._engine.last_error()
+                return rc, _STATUS[st]
             if self._finalized:
                 return FAILED, TransferStatus.FAILED
             r, t = _int(req, 0, _U64_MAX), self._wait_ms(timeout_in_millis)
@@ -518,7 +650,7 @@ class Hixl:
                 return self._refuse("transfer_wait: req must be an int, timeout None or 0..2**31-1 ms"), \
                     TransferStatus.FAILED
             rc, st = self._engine.transfer_wait(r, t)
-            return self._done(rc), TransferStatus(st)
+            return self._done(rc), _STATUS[st]
         except Exception as e:
             return self._failed("transfer_wait", e), TransferStatus.FAILED
 

@@ -1,0 +1,87 @@
+// IdSlab<T>: the table of live requests (engine requests, endpoint requests, queued-path jobs)
+// without a heap allocation or a tree insert per request. Slots live in a deque (a reference to a
+// live value stays valid while others are added, so a caller may drop its lock and use it again)
+// and are reused through a free list; an id is (sequence << kIndexBits) | slot index, so
+//   - lookup is one index and one compare (a stale id, whose slot was reused, does not match),
+//   - ids grow with issue order (sorting live ids gives "oldest first"),
+//   - an id is never handed out twice (the sequence only grows; 2^40 ids per table).
+// At most kMaxLive slots are live at once; add() returns 0 beyond that (callers report
+// RESOURCE_EXHAUSTED). Not thread-safe: its owner's lock guards it.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <utility>
+#include <vector>
+
+namespace hixl::util {
+
+template <class T>
+class IdSlab {
+ public:
+  static constexpr unsigned kIndexBits = 24;
+  static constexpr uint64_t kMaxLive = uint64_t(1) << kIndexBits;
+  static constexpr uint64_t kIndexMask = kMaxLive - 1;
+
+  // A new live slot holding value; its id (never 0), or 0 when kMaxLive slots are live.
+  uint64_t add(T value) {
+    uint64_t index;
+    if (!free_.empty()) {
+      index = free_.back();
+      free_.pop_back();
+    } else {
+      if (slots_.size() >= kMaxLive) return 0;
+      index = slots_.size();
+      slots_.emplace_back();
+    }
+    const uint64_t id = (next_seq_++ << kIndexBits) | index;
+    Slot& s = slots_[size_t(index)];
+    s.id = id;
+    s.value = std::move(value);
+    ++live_;
+    return id;
+  }
+  // The live value with this id, or null (never issued, or erased).
+  T* find(uint64_t id) {
+    const uint64_t index = id & kIndexMask;
+    if (index >= slots_.size()) return nullptr;
+    Slot& s = slots_[size_t(index)];
+    return s.id == id && id != 0 ? &s.value : nullptr;
+  }
+  const T* find(uint64_t id) const { return const_cast<IdSlab*>(this)->find(id); }
+  // Frees the slot (no-op for an id not live). The value is reset, so what it held (a shared_ptr,
+  // a string) goes now, not when the slot is reused.
+  void erase(uint64_t id) {
+    T* v = find(id);
+    if (!v) return;
+    const uint64_t index = id & kIndexMask;
+    slots_[size_t(index)].id = 0;
+    *v = T();
+    free_.push_back(index);
+    --live_;
+  }
+  // fn(id, value) for every live slot, in slot order (not issue order: sort ids for that).
+  template <class Fn>
+  void for_each(Fn fn) {
+    for (Slot& s : slots_)
+      if (s.id) fn(s.id, s.value);
+  }
+  size_t size() const { return live_; }
+  void clear() {
+    slots_.clear();
+    free_.clear();
+    live_ = 0;
+  }
+
+ private:
+  struct Slot {
+    uint64_t id = 0;  // 0: free
+    T value{};
+  };
+  std::deque<Slot> slots_;
+  std::vector<uint64_t> free_;
+  uint64_t next_seq_ = 1;
+  size_t live_ = 0;
+};
+
+}  // namespace hixl::util
