@@ -35,10 +35,7 @@ Engine::~Engine() {
   if (accept_wake_fd_ >= 0) ::close(accept_wake_fd_);
 }
 
-bool Engine::ready() const {
-  std::lock_guard<std::mutex> g(mu_);
-  return state_ == State::kReady;
-}
+bool Engine::ready() const { return state_.load(std::memory_order_acquire) == State::kReady; }
 
 std::string Engine::last_error() const { return detail::last_error(); }
 

@@ -206,7 +206,9 @@ class Engine {
 
   // Lifecycle (mu_): written by initialize()/finalize() only; read by everyone after ready().
   mutable std::mutex mu_;
-  State state_ = State::kNew;
+  // Written under mu_ (initialize/finalize); read without it by ready(), once per call on the
+  // transfer path (a call racing finalize() is refused by the part it reaches next anyway).
+  std::atomic<State> state_{State::kNew};
   Options opts_;
   std::string name_;
   std::string host_;

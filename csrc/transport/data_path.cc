@@ -55,10 +55,7 @@ Result QueuedPath::run(Op op, const std::vector<Desc>& descs, Flag flag, Clock::
   return r;
 }
 
-bool QueuedPath::closed() const {
-  std::lock_guard<std::mutex> g(mu_);
-  return closed_;
-}
+bool QueuedPath::closed() const { return closed_.load(std::memory_order_acquire); }
 
 void QueuedPath::finish(uint64_t id, Result r) {
   std::lock_guard<std::mutex> g(mu_);

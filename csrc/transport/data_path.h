@@ -125,7 +125,7 @@ class QueuedPath : public DataPath {
   std::condition_variable cv_;
   std::mutex run_mu_;  // one execute() at a time: requests of a link run in submission order
   std::mutex join_mu_;
-  bool closed_ = false;
+  std::atomic<bool> closed_{false};  // set under mu_; closed() reads it without (once per request and chunk)
   int running_ = 0;  // jobs taken off the queue (or run inline) and not yet reported
   std::deque<Job> queue_;
   util::IdSlab<Entry> reqs_;

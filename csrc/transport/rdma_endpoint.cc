@@ -423,9 +423,13 @@ uint32_t Endpoint::outstanding() const {
 bool Endpoint::wait_for_room_locked(std::unique_lock<std::mutex>& lk, uint32_t need, Clock::time_point deadline) {
   // Caller holds mu_. Reap completions until `need` slots are free; block between. False on deadline.
   ++stats_.backpressure_waits;
-  auto spin_until = Clock::now() + std::chrono::microseconds(opts_.busy_poll_us);
+  auto spin_until = Clock::now() + spin_window_locked();  // as wait_done()
   while (sq_depth_ - (next_seq_ - completed_seq_) < need) {
-    if (progress_locked(int(sq_depth_)) > 0 || dead_) return true;
+    if (progress_locked(int(sq_depth_)) > 0) {
+      note_progress_locked(Clock::now());
+      return true;
+    }
+    if (dead_) return true;
     if (closed_) throw Error("endpoint closed while waiting for send-queue room");
     if (Clock::now() < spin_until) continue;
     if (!block_locked(lk, deadline)) return false;
@@ -588,13 +592,37 @@ RequestResult Endpoint::status(uint64_t id) {
   return status_locked(id);
 }
 
+Clock::duration Endpoint::spin_window_locked() const {
+  const Clock::duration floor = std::chrono::microseconds(opts_.busy_poll_us);
+  return std::max(floor, std::min<Clock::duration>(4 * gap_, std::chrono::microseconds(kMaxSpinUs)));
+}
+
+void Endpoint::note_progress_locked(Clock::time_point now) {
+  if (last_progress_ != Clock::time_point{}) {
+    auto g = std::min<Clock::duration>(now - last_progress_, std::chrono::microseconds(kMaxSpinUs));
+    gap_ = (3 * gap_ + g) / 4;
+  }
+  last_progress_ = now;
+}
+
 bool Endpoint::wait_done(uint64_t id, milliseconds timeout) {
+  // Spin while completions keep arriving (a full pipeline: the next one is about a gap away), block
+  // on the completion channel once none came for the spin window: busy_poll_us, or 4x the recent
+  // gap between completions when that is longer (a slow link or a software device), at most
+  // kMaxSpinUs. An idle wait costs at most that much CPU; a streaming one never sleeps.
   auto deadline = deadline_after(timeout);
-  auto spin_until = Clock::now() + std::chrono::microseconds(opts_.busy_poll_us);
   std::unique_lock<std::mutex> lk(mu_);
+  auto spin_until = Clock::now() + spin_window_locked();
+  uint64_t seen = completed_seq_;
   for (;;) {
     if (done_locked(id)) return true;
-    if (Clock::now() < spin_until) {  // busy poll: drop the lock so others can post meanwhile
+    const auto now = Clock::now();
+    if (completed_seq_ != seen) {
+      seen = completed_seq_;
+      note_progress_locked(now);
+      spin_until = now + spin_window_locked();
+    }
+    if (now < spin_until) {  // busy poll: drop the lock so others can post meanwhile
       lk.unlock();
       lk.lock();
       continue;

@@ -23,6 +23,8 @@
 
 namespace hixl::rdma {
 
+using Clock = std::chrono::steady_clock;
+
 enum class Op : int { kRead = 0, kWrite = 1, kWriteImm = 2 };
 // Values match hixl.TransferStatus.
 enum class Status : int { kWaiting = 0, kCompleted = 1, kTimeout = 2, kFailed = 3 };
@@ -38,7 +40,7 @@ struct EndpointOptions {
   uint32_t max_inline = 64;    // small writes go inline (falls back to 0 if the device refuses)
   uint64_t slice_bytes = 4u << 20;  // larger descriptors are sliced into several work requests
   uint32_t max_chain = 64;     // work requests per ibv_post_send (one doorbell)
-  uint32_t busy_poll_us = 20;  // spin this long before blocking on the completion channel
+  uint32_t busy_poll_us = 20;  // spin at least this long without a completion before blocking on the channel
   uint8_t traffic_class = 0;
   uint8_t service_level = 0;
   uint8_t timeout = 14;
@@ -154,6 +156,9 @@ class Endpoint {
   void post_recvs(uint32_t n);
   void handle_recv_wc(const ibv_wc& wc, std::vector<uint32_t>& out);
   wire::Hello handshake(oob::Socket& s, bool server, std::chrono::milliseconds timeout);
+  // How long a waiter spins without seeing a completion before it blocks (wait_done()).
+  Clock::duration spin_window_locked() const;
+  void note_progress_locked(Clock::time_point now);  // a waiter saw completions arrive at `now`
   bool wait_for_room_locked(std::unique_lock<std::mutex>& lk, uint32_t need,
                             std::chrono::steady_clock::time_point deadline);
 
@@ -182,7 +187,10 @@ class Endpoint {
 
   mutable std::mutex mu_;  // send side: sequence numbers, requests, send-CQ polling
   std::condition_variable cv_;   // signaled whenever requests retire or fail
-  bool channel_waiter_ = false;  // one thread at a time sleeps on the send completion channel
+  bool channel_waiter_ = false;
+  static constexpr int kMaxSpinUs = 200;   // the longest spin window, and the longest gap counted
+  Clock::time_point last_progress_{};      // when a waiter last saw completions arrive
+  Clock::duration gap_{};                  // moving average of the time between those  // one thread at a time sleeps on the send completion channel
   uint64_t next_seq_ = 0;       // last sequence handed out
   uint64_t completed_seq_ = 0;  // every WR up to this one has completed
   util::IdSlab<Req> reqs_;  // no allocation per request (util/id_slab.h)
