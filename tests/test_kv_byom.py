@@ -293,3 +293,63 @@ def test_a_grant_with_a_foreign_layout_or_bad_memory_is_refused(pair):
             tx.add_target("r", dict(g, first_block=2))
     finally:
         _close(tx, rx)
+
+
+def _reference_block_descs(layout, local, local_blocks, remote, remote_blocks, layers, n_tokens, js=None):
+    """The descriptor builder as it was written per descriptor in Python (before issue 17)."""
+    nb = layout.blocks_for(n_tokens)
+    js = range(nb) if js is None else sorted(set(js))
+    short = local.token_major and remote.token_major
+    tail = n_tokens - (nb - 1) * layout.block_tokens
+    out, last = [], None
+    for layer in layers:
+        for part in range(local.parts):
+            for j in js:
+                lb, rb = local_blocks[j], remote_blocks[j]
+                if lb is None or rb is None:
+                    continue
+                n = local.unit_bytes
+                if short and j == nb - 1:
+                    n = n * tail // layout.block_tokens
+                loc, rem = local.addr(layer, part, lb), remote.addr(layer, part, rb)
+                if last is not None and last[0] + last[2] == loc and last[1] + last[2] == rem:
+                    last[2] += n
+                else:
+                    last = [loc, rem, n]
+                    out.append(last)
+    return [tuple(x) for x in out]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_block_desc_array_matches_the_per_descriptor_builder(seed):
+    """The vectorized builder (a numpy descriptor array, what KVSender and KVReceiver post) gives the
+    same descriptors as the per-descriptor one: merging, None blocks, short last blocks, K/V packing."""
+    from hixl.kv import block_desc_array
+    rng = np.random.default_rng(seed)
+    layout = kv.KVLayout(n_layers=int(rng.integers(1, 5)), n_kv_heads=2, head_dim=8, dtype="float32",
+                         block_tokens=int(rng.choice([4, 16])))
+    parts = int(rng.choice([1, 2]))
+    unit = layout.block_bytes * (2 // parts)
+
+    def memory(base, nblocks, contiguous):
+        stride = unit if contiguous else unit + 64
+        pstride = nblocks * stride if parts == 2 else 0
+        span = (parts - 1) * pstride + (nblocks - 1) * stride + unit
+        return kv.BlockMemory(layer_addrs=tuple(base + k * (span + 4096) for k in range(layout.n_layers)),
+                              num_blocks=nblocks, block_stride=stride, unit_bytes=unit, parts=parts,
+                              part_stride=pstride, token_major=bool(rng.integers(0, 2)))
+    nblocks = 12
+    local, remote = memory(1 << 30, nblocks, bool(rng.integers(0, 2))), memory(1 << 34, nblocks, bool(rng.integers(0, 2)))
+    n_tokens = int(rng.integers(1, 8 * layout.block_tokens))
+    nb = layout.blocks_for(n_tokens)
+    lbs = [int(x) for x in rng.permutation(nblocks)[:nb]] if rng.integers(0, 2) else list(range(nb))
+    rbs = [int(x) for x in rng.permutation(nblocks)[:nb]] if rng.integers(0, 2) else list(range(nb))
+    if nb > 1 and rng.integers(0, 2):
+        rbs[int(rng.integers(0, nb))] = None
+    layers = sorted(set(int(x) for x in rng.integers(0, layout.n_layers, 3)))
+    js = None if rng.integers(0, 2) else [int(x) for x in rng.integers(0, nb, 4)]
+    want = _reference_block_descs(layout, local, lbs, remote, rbs, layers, n_tokens, js)
+    got = block_desc_array(layout, local, lbs, remote, rbs, layers, n_tokens, js)
+    assert got.dtype == np.uint64 and got.shape == (len(want), 3)
+    assert [tuple(int(v) for v in row) for row in got] == want
+    assert kv.block_descs(layout, local, lbs, remote, rbs, layers, n_tokens, js) == want

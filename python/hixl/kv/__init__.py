@@ -10,7 +10,8 @@ What an inference engine imports. It sits on :class:`hixl.Hixl` and so runs over
   cache tensors) in that engine's layout, described by a :class:`BlockMemory` (where each layer's
   blocks start, their stride, K and V in separate blocks or packed in one, token- or head-major
   inside); :meth:`KVReceiver.expect` and :meth:`KVSender.add_request` then work on the owner's block
-  ids, with no staging copy. :func:`block_descs` is the one place transfer descriptors are built.
+  ids, with no staging copy. :func:`block_desc_array` is the one place transfer descriptors are built: a
+  numpy descriptor array per transfer, no Python object per descriptor.
 * :class:`KVReceiver` (decode side) - hands out request *slots* (a block table and a ticket) as
   :class:`Grant` objects, learns that a request's KV is complete from its completion flag, and gives
   back the K/V. Three ways to wait: :meth:`KVReceiver.poll` (non-blocking), :meth:`KVReceiver.wait`
@@ -30,12 +31,12 @@ another request's blocks.
 """
 from .errors import KVError, KVTimeout, PoolExhausted, TransferFailed
 from .grant import Grant
-from .layout import BlockMemory, KVLayout, block_descs
+from .layout import BlockMemory, KVLayout, block_desc_array, block_descs
 from .pool import KVPool
 from .receiver import KVReceiver
 from .sender import KVSender, union_seconds
 
 __all__ = [
     "KVError", "PoolExhausted", "KVTimeout", "TransferFailed",
-    "KVLayout", "BlockMemory", "block_descs", "KVPool", "Grant", "KVReceiver", "KVSender", "union_seconds",
+    "KVLayout", "BlockMemory", "block_desc_array", "block_descs", "KVPool", "Grant", "KVReceiver", "KVSender", "union_seconds",
 ]

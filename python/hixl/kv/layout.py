@@ -156,36 +156,51 @@ class BlockMemory:
         return cls(**d)
 
 
-def block_descs(layout: KVLayout, local: BlockMemory, local_blocks: Sequence[int], remote: BlockMemory,
-                remote_blocks: Sequence[int], layers: Iterable[int], n_tokens: int,
-                js: Optional[Iterable[int]] = None) -> List[Tuple[int, int, int]]:
-    """``(local, remote, len)`` descriptors moving request blocks ``js`` (default all) of ``layers``:
-    request block ``j`` is ``local_blocks[j]`` here and ``remote_blocks[j]`` there (``None`` entries
-    are not moved). One descriptor per (layer, part, block), adjacent ones merged; a partly filled
-    last block is sent short only when both sides are token-major."""
+def block_desc_array(layout: KVLayout, local: BlockMemory, local_blocks: Sequence[Optional[int]],
+                     remote: BlockMemory, remote_blocks: Sequence[Optional[int]], layers: Iterable[int], n_tokens: int,
+                     js: Optional[Iterable[int]] = None) -> np.ndarray:
+    """The descriptors moving request blocks ``js`` (default all) of ``layers``, as a ``(N, 3)`` uint64
+    descriptor array ``(local, remote, len)`` for :meth:`hixl.Hixl.transfer_async` (no Python object
+    per descriptor): request block ``j`` is ``local_blocks[j]`` here and ``remote_blocks[j]`` there
+    (``None`` entries are not moved). One descriptor per (layer, part, block) in that order, adjacent
+    ones merged; a partly filled last block is sent short only when both sides are token-major."""
     if local.parts != remote.parts:
         raise ValueError(f"the two sides pack K and V differently ({local.parts} vs {remote.parts} parts per block)")
     if local.unit_bytes != remote.unit_bytes:
         raise ValueError(f"the two sides' blocks differ in size ({local.unit_bytes} vs {remote.unit_bytes} B)")
     nb = layout.blocks_for(n_tokens)
-    js = range(nb) if js is None else sorted(set(js))
-    short = local.token_major and remote.token_major
-    tail = n_tokens - (nb - 1) * layout.block_tokens  # tokens in the last block
-    out: List[List[int]] = []
-    last: Optional[List[int]] = None
-    for layer in layers:
-        for part in range(local.parts):
-            for j in js:
-                lb, rb = local_blocks[j], remote_blocks[j]
-                if lb is None or rb is None:
-                    continue
-                n = local.unit_bytes
-                if short and j == nb - 1:
-                    n = n * tail // layout.block_tokens
-                loc, rem = local.addr(layer, part, lb), remote.addr(layer, part, rb)
-                if last is not None and last[0] + last[2] == loc and last[1] + last[2] == rem:
-                    last[2] += n
-                else:
-                    last = [loc, rem, n]
-                    out.append(last)
-    return [(a, b, n) for a, b, n in out]
+    js = list(range(nb)) if js is None else sorted(set(js))
+    js = [j for j in js if local_blocks[j] is not None and remote_blocks[j] is not None]
+    layers = list(layers)
+    if not js or not layers:
+        return np.zeros((0, 3), np.uint64)
+    j = np.asarray(js, np.int64)
+    lb = np.asarray([local_blocks[x] for x in js], np.int64)
+    rb = np.asarray([remote_blocks[x] for x in js], np.int64)
+    n = np.full(len(js), local.unit_bytes, np.int64)
+    if local.token_major and remote.token_major:
+        tail = n_tokens - (nb - 1) * layout.block_tokens  # tokens in the last block
+        n[j == nb - 1] = local.unit_bytes * tail // layout.block_tokens
+    parts = np.arange(local.parts, dtype=np.int64)
+    la = np.asarray([local.layer_addrs[x] for x in layers], np.int64)
+    ra = np.asarray([remote.layer_addrs[x] for x in layers], np.int64)
+    # (layer, part, block) order, flattened
+    loc = (la[:, None, None] + parts[None, :, None] * local.part_stride + lb[None, None, :] * local.block_stride).ravel()
+    rem = (ra[:, None, None] + parts[None, :, None] * remote.part_stride + rb[None, None, :] * remote.block_stride).ravel()
+    ln = np.broadcast_to(n, (len(layers), local.parts, len(js))).ravel()
+    # Merge runs: descriptor k+1 continues k when both sides are contiguous.
+    cont = (loc[:-1] + ln[:-1] == loc[1:]) & (rem[:-1] + ln[:-1] == rem[1:])
+    starts = np.flatnonzero(np.concatenate(([True], ~cont)))
+    out = np.empty((len(starts), 3), np.uint64)
+    out[:, 0] = loc[starts]
+    out[:, 1] = rem[starts]
+    out[:, 2] = np.add.reduceat(ln, starts)
+    return out
+
+
+def block_descs(layout: KVLayout, local: BlockMemory, local_blocks: Sequence[Optional[int]], remote: BlockMemory,
+                remote_blocks: Sequence[Optional[int]], layers: Iterable[int], n_tokens: int,
+                js: Optional[Iterable[int]] = None) -> List[Tuple[int, int, int]]:
+    """:func:`block_desc_array` as a list of ``(local, remote, len)`` tuples."""
+    return [(int(a), int(b), int(n)) for a, b, n in
+            block_desc_array(layout, local, local_blocks, remote, remote_blocks, layers, n_tokens, js)]

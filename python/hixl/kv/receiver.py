@@ -11,10 +11,10 @@ from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from ..engine import Hixl
-from ..types import ALREADY_CONNECTED, READ, SUCCESS, TransferOpDesc, TransferStatus
+from ..types import ALREADY_CONNECTED, READ, SUCCESS, TransferStatus
 from .errors import KVError, KVTimeout, PoolExhausted, TransferFailed
 from .grant import Grant
-from .layout import KVLayout, block_descs
+from .layout import KVLayout, block_desc_array
 from .pool import KVPool, _Ids
 
 _log = logging.getLogger("hixl.kv")
@@ -173,19 +173,18 @@ class KVReceiver:
         js = range(g.first_block, self.layout.blocks_for(g.n_tokens))
         if len(remote) < self.layout.blocks_for(g.n_tokens) or any(remote[j] is None for j in js):
             raise KVError(f"kv: pull of {request_id!r}: the source lacks blocks {list(js)}")
-        descs = block_descs(self.layout, self.pool.memory, g.request_blocks(), src.block_memory(self.layout),
-                            remote, range(*g.layers), g.n_tokens, js)
+        descs = block_desc_array(self.layout, self.pool.memory, g.request_blocks(), src.block_memory(self.layout),
+                                 remote, range(*g.layers), g.n_tokens, js)
         if self.engine.get_transport(src.decode)[0] != SUCCESS:
             rc = self.engine.connect(src.decode, 10000 if timeout_ms is None else max(1, int(timeout_ms)))
             if rc not in (SUCCESS, ALREADY_CONNECTED):
                 raise TransferFailed(f"kv: connect to prefill {src.decode} failed: {self.engine.last_error()}", rc)
-        rc, req = self.engine.transfer_async(src.decode, READ, [TransferOpDesc(a, b, n) for a, b, n in descs],
-                                             timeout_in_millis=timeout_ms)
+        rc, req = self.engine.transfer_async(src.decode, READ, descs, timeout_in_millis=timeout_ms)
         if rc != SUCCESS:
             raise TransferFailed(f"kv: pull of {request_id!r} from {src.decode} failed: {self.engine.last_error()}", rc)
         with self._cv:
             slot.pull, slot.peer = req, src.decode
-            slot.pull_bytes = sum(n for _, _, n in descs)
+            slot.pull_bytes = int(descs[:, 2].sum())
             self._pulls[request_id] = slot
         return slot.pull_bytes
 

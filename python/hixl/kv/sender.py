@@ -10,10 +10,10 @@ from typing import Any, Deque, Dict, Iterable, List, Optional, Sequence, Tuple, 
 import numpy as np
 
 from ..engine import Hixl
-from ..types import SUCCESS, TransferOpDesc, TransferStatus, WRITE
+from ..types import SUCCESS, TransferStatus, WRITE
 from .errors import KVError, KVTimeout, TransferFailed
 from .grant import Grant
-from .layout import BlockMemory, KVLayout, block_descs
+from .layout import BlockMemory, KVLayout, block_desc_array
 from .pool import KVPool
 
 
@@ -211,10 +211,10 @@ class KVSender:
         with self._cv:
             return [t.grant.decode for t in self._req(request_id).targets]
 
-    def _descs(self, r: _Request, t: _Target, layers: List[int], js: Iterable[int]) -> List[TransferOpDesc]:
-        """One descriptor per (layer, K|V, block), adjacent ones merged."""
-        return [TransferOpDesc(a, b, n) for a, b, n in
-                block_descs(self.layout, self.pool.memory, r.blocks, t.memory, t.remote, layers, r.n_tokens, js)]
+    def _descs(self, r: _Request, t: _Target, layers: List[int], js: Iterable[int]) -> np.ndarray:
+        """One descriptor per (layer, K|V, block), adjacent ones merged: a descriptor array (no
+        Python object per descriptor)."""
+        return block_desc_array(self.layout, self.pool.memory, r.blocks, t.memory, t.remote, layers, r.n_tokens, js)
 
     def _set_aux(self, r: _Request, aux: Optional[bytes]) -> None:
         if aux is not None:
@@ -267,9 +267,9 @@ class KVSender:
             if len(new) == len(new_layers) * len(new_js):
                 descs = self._descs(r, t, new_layers, new_js)
             else:  # a ragged set: per layer
-                descs = [d for x in new_layers for d in self._descs(r, t, [x], [j for y, j in new if y == x])]
+                descs = np.concatenate([self._descs(r, t, [x], [j for y, j in new if y == x]) for x in new_layers])
             if complete or (complete is None and len(t.pushed) == t.need):
-                flag = self._stage_flag(r, t, descs)
+                descs, flag = self._stage_flag(r, t, descs)
             total += self._submit(request_id, r, t, descs, flag, f"layers {new_layers} blocks {new_js}")
         return total
 
@@ -286,29 +286,30 @@ class KVSender:
         return sum(self._complete_target(request_id, r, t) for t in r.targets if not t.flagged)
 
     def _complete_target(self, request_id: str, r: _Request, t: _Target) -> int:
-        descs: List[TransferOpDesc] = []
+        descs = np.zeros((0, 3), np.uint64)
         if t.aux_slot is None:  # no aux area: the flag rides on the last block, sent again
             lo, hi = t.grant.layers
             descs = self._descs(r, t, [hi - 1], [t.js[-1]])
-        flag = self._stage_flag(r, t, descs)
+        descs, flag = self._stage_flag(r, t, descs)
         return self._submit(request_id, r, t, descs, flag, "completion flag")
 
-    def _stage_flag(self, r: _Request, t: _Target, descs: List[TransferOpDesc]) -> int:
-        """Appends the aux write (staged in the target's own slot) to ``descs``; returns the flag."""
+    def _stage_flag(self, r: _Request, t: _Target, descs: np.ndarray) -> Tuple[np.ndarray, int]:
+        """``descs`` with the aux write (staged in the target's own slot) appended, and the flag."""
         if t.aux_slot is not None:
-            aux = r.aux if r.aux is not None else (b"\0" if not descs else None)
+            aux = r.aux if r.aux is not None else (b"\0" if not len(descs) else None)
             if aux is not None:
                 if len(aux) > t.grant.aux_bytes:
                     raise ValueError(f"aux is {len(aux)} bytes, the decoder's area {t.grant.aux_bytes}")
                 a = self.pool.aux_at(t.aux_slot)
                 self.pool.bytes[a:a + len(aux)] = np.frombuffer(aux, np.uint8)
-                descs.append(TransferOpDesc(self.pool.addr + a, t.grant.aux_addr, len(aux)))
+                row = np.array([[self.pool.addr + a, t.grant.aux_addr, len(aux)]], np.uint64)
+                descs = np.concatenate([descs, row])
         t.flagged = True
-        return t.grant.ticket
+        return descs, t.grant.ticket
 
-    def _submit(self, request_id: str, r: _Request, t: _Target, descs: List[TransferOpDesc],
+    def _submit(self, request_id: str, r: _Request, t: _Target, descs: np.ndarray,
                 flag: Optional[int], what: str) -> int:
-        nbytes = sum(d.len for d in descs)
+        nbytes = int(descs[:, 2].sum())
         self._acquire_credit()
         now = time.monotonic()
         rc, req = self.engine.transfer_async(t.grant.decode, WRITE, descs, flag=flag)
