@@ -166,7 +166,7 @@ class Engine {
 
   // transfers.cc
   // The link to `remote` (the name as given, when a link has it: no parsing per transfer; else its
-  // canonical form, auto-connecting when allowed); *key its canonical name.
+  // canonical form, auto-connecting when allowed); *key (when not null) its canonical name.
   int find_link(const std::string& remote, int timeout_ms, const char* call, std::shared_ptr<Link>* out,
                 std::string* key);
   int ensure_link(const std::string& key, int timeout_ms, std::shared_ptr<Link>* out);

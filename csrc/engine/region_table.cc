@@ -34,6 +34,12 @@ bool RegionTable::erase(uint64_t id) {
 
 const RegionEntry* RegionTable::find(uint64_t addr, uint64_t len, uint32_t need_access) const {
   if (len == 0 || addr + len < addr) return nullptr;
+  // The region of the previous hit first: transfers mostly stay in one region. Any region that
+  // holds the range with the access is a right answer.
+  if (hint_ < v_.size()) {
+    const RegionEntry& h = v_[hint_];
+    if (h.contains(addr, len) && (h.access & need_access) == need_access) return &h;
+  }
   // Candidates start at or before addr; walk back from the last of them. A region starting more
   // than max_len_ before addr cannot reach it, which ends the walk.
   auto it = std::upper_bound(v_.begin(), v_.end(), addr,
@@ -41,7 +47,10 @@ const RegionEntry* RegionTable::find(uint64_t addr, uint64_t len, uint32_t need_
   while (it != v_.begin()) {
     --it;
     if (addr - it->addr >= max_len_) break;
-    if (it->contains(addr, len) && (it->access & need_access) == need_access) return &*it;
+    if (it->contains(addr, len) && (it->access & need_access) == need_access) {
+      hint_ = size_t(it - v_.begin());
+      return &*it;
+    }
   }
   return nullptr;
 }

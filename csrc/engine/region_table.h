@@ -25,7 +25,8 @@ class RegionTable {
   bool erase(uint64_t id);
   void clear() { v_.clear(); max_len_ = 0; }
   // The region holding all of [addr, addr+len) with every bit of need_access, or nullptr.
-  // len 0 or a range that wraps never matches. Overlapping regions are allowed.
+  // len 0 or a range that wraps never matches. Overlapping regions are allowed. Not thread-safe
+  // (it remembers its last hit): the owner's lock guards every call, as it guards the table.
   const RegionEntry* find(uint64_t addr, uint64_t len, uint32_t need_access) const;
   size_t size() const { return v_.size(); }
   const std::vector<RegionEntry>& entries() const { return v_; }
@@ -34,6 +35,7 @@ class RegionTable {
   void recompute_max();
   std::vector<RegionEntry> v_;  // sorted by addr
   uint64_t max_len_ = 0;        // bounds the backward walk in find()
+  mutable size_t hint_ = SIZE_MAX;  // the last hit (checked before the search)
 };
 
 }  // namespace hixl::engine

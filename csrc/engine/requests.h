@@ -55,6 +55,10 @@ class Requests {
     bool expired = false;                                   // past its deadline, its link being aborted
     int final_status = -1;                                  // set once that abort ended (TIMEOUT or FAILED)
     std::string final_error;
+    void release() {  // IdSlab::erase: drop the link now (its queue pair may be waiting to go)
+      link.reset();
+      final_error.clear();
+    }
   };
   // A request's status without consuming it from reqs_ (mu_ held); the path's is consumed.
   rdma::RequestResult poll_locked(Request& r);

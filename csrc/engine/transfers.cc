@@ -25,13 +25,13 @@ int Engine::find_link(const std::string& remote, int timeout_ms, const char* cal
                       std::string* key) {
   // Links are kept under canonical names, and callers mostly pass one back: try it as given first.
   if ((*out = links_.find(remote))) {
-    *key = remote;
+    if (key) *key = remote;
     return kSuccess;
   }
   auto canon = canonical(remote);
   if (!canon) return fail(kParamInvalid, std::string(call) + ": \"" + remote + "\" is not an engine address");
-  *key = *canon;
-  return ensure_link(*key, timeout_ms, out);
+  if (key) *key = *canon;
+  return ensure_link(*canon, timeout_ms, out);
 }
 
 void Engine::refresh_regions(const std::shared_ptr<Link>& link, Clock::time_point deadline) {
@@ -181,8 +181,7 @@ int Engine::transfer_sync(const std::string& remote, TransferOp op, const OpDesc
     if (int rc = submit_checks(op, flag, "transfer_sync"); rc != kSuccess) return rc;
     auto deadline = Clock::now() + milliseconds(timeout_ms);
     std::shared_ptr<Link> link;
-    std::string key;
-    if (int rc = find_link(remote, timeout_ms, "transfer_sync", &link, &key); rc != kSuccess) return rc;
+    if (int rc = find_link(remote, timeout_ms, "transfer_sync", &link, nullptr); rc != kSuccess) return rc;
     std::vector<rdma::Desc>& rd = scratch();
     if (int rc = prepare(link, op, descs, n, deadline, &rd); rc != kSuccess) return rc;
     return run_sync(link, op, rd, deadline, timeout_ms, flag, "transfer_sync");
@@ -199,8 +198,7 @@ std::pair<int, uint64_t> Engine::transfer_async(const std::string& remote, Trans
     if (timeout_ms < 0) timeout_ms = opts_.async_timeout_ms;
     if (int rc = submit_checks(op, flag, "transfer_async"); rc != kSuccess) return {rc, 0};
     std::shared_ptr<Link> link;
-    std::string key;
-    if (int rc = find_link(remote, 1000, "transfer_async", &link, &key); rc != kSuccess) return {rc, 0};
+    if (int rc = find_link(remote, 1000, "transfer_async", &link, nullptr); rc != kSuccess) return {rc, 0};
     std::vector<rdma::Desc>& rd = scratch();
     if (int rc = prepare(link, op, descs, n, start + milliseconds(1000), &rd); rc != kSuccess) return {rc, 0};
     return run_async(link, op, rd, user_data, flag, timeout_ms, start, "transfer_async");
