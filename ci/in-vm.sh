@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs INSIDE the rxe VM (via ci/rxe-vm.sh): the `rdma` and `interop` test tiers, then the
 # WRITE sweep benchmark against perftest and `hixl bench` (rdma vs perftest, Mooncake, NIXL) on the
-# same rxe0. Reports go to ci-artifacts/ (the bench's plots are drawn on the host: ci/test-all.sh).
+# same rxe0, and bench/callgrind.py (instructions per request, engine path vs ib_write_bw). Reports go to
+# ci-artifacts/ (the bench's plots are drawn on the host: ci/test-all.sh).
 set -uo pipefail
 log() { echo "[ci] $*"; }
 ART="${RXE_ARTIFACTS:-ci-artifacts}"
@@ -41,6 +42,11 @@ if [ "${HIXL_SKIP_BENCH:-0}" != 1 ]; then
     hb_rc=$?
     log "hixl bench exit status: $hb_rc"
     [ "$bench_rc" -ne 0 ] || bench_rc=$hb_rc
+    log "bench/callgrind.py: instructions per request, both sides, engine path vs ib_write_bw (same VM run)"
+    "$PY" bench/callgrind.py --paths engine --n1 200 --n2 600 --out "$ART/callgrind" 2>&1 | grep -v '^==' | tail -8
+    cg_rc=${PIPESTATUS[0]}
+    log "callgrind exit status: $cg_rc"
+    [ "$bench_rc" -ne 0 ] || bench_rc=$cg_rc
 fi
 [ "$test_rc" -eq 0 ] || exit "$test_rc"
 exit "$bench_rc"

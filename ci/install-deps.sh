@@ -15,6 +15,7 @@ APT_PACKAGES=(
     libibverbs-dev librdmacm-dev rdma-core ibverbs-utils perftest python3-pyverbs
     qemu-system-x86 linux-image-amd64 kmod iproute2 busybox-static procps
     clang libclang-rt-14-dev   # ci/fuzz.sh: libFuzzer + ASan/UBSan over the wire parsers
+    valgrind                   # bench/callgrind.py: instructions per request, ours vs perftest
 )
 
 # Versions verified together on the reference machine.

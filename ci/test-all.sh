@@ -45,6 +45,18 @@ log "bench: PD pipeline with SmolLM2, 512-token prompt: overlap and TTFT vs mono
 "$PY" bench/pd_bench.py --json "$ART/pd_bench.json" 2>&1 | tee "$ART/pd_bench.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || { log "FAIL: bench/pd_bench.py"; exit 1; }
 
+log "bench: descriptor-heavy transfers from Python: lists, numpy arrays, prepared lists vs NIXL's prepared path (host)"
+"$PY" -m hixl.bench --desc-sweep --transport shm,tcp --vs nixl --quick --out "$ART/descs" 2>&1 | tee "$ART/descs.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || { log "FAIL: hixl bench --desc-sweep"; exit 1; }
+"$PY" - "$ART/descs/hixl_descs.json" <<'PYEOF' || { log "FAIL: the descriptor sweep did not measure every way"; exit 1; }
+import json, sys
+doc = json.load(open(sys.argv[1]))
+ways = {(r["transport"], r["way"]) for r in doc["rows"]}
+need = {(t, w) for t in ("shm", "tcp") for w in ("list", "numpy", "prepped")} | {("tcp", "nixl-prepped")}
+print("desc sweep: %d rows; goals: %s" % (len(doc["rows"]), "; ".join(
+    "%s: %s" % (g["goal"], "met" if g["met"] else "missed") for g in doc["goals"])))
+sys.exit(0 if need <= ways and len(doc["single"]) == 2 else 1)
+PYEOF
 VLLM_VENV="${HIXL_VLLM_VENV:-$REPO/build/vllm-venv}"
 log "vLLM tier: the vLLM environment (ci/install-vllm.sh $VLLM_VENV)"
 HIXL_WHEEL="$WHEEL" bash ci/install-vllm.sh "$VLLM_VENV"
@@ -105,5 +117,13 @@ print("hixl bench (VM): ours %s, peers %s, goals %s" % (sorted(ours), sorted(pee
 sys.exit(0 if "rdma" in ours and {("perftest", "rdma"), ("mooncake", "rdma")} <= peers else 1)
 PYEOF
     ls -l "$ART/bench"
+    "$PY" - "$ART/callgrind/callgrind.json" <<'PYEOF' || { log "FAIL: bench/callgrind.py did not count perftest and the engine path in the VM"; exit 1; }
+import json, sys
+rows = {r["path"]: r for r in json.load(open(sys.argv[1]))["rows"]}
+eng, pt = rows.get("engine"), rows.get("perftest (ib_write_bw)")
+print("callgrind (VM): instructions per 8 B WRITE, both sides: perftest %.0f, engine %.0f (%.2fx)"
+      % (pt["both"], eng["both"], eng["vs_perftest"]))
+sys.exit(0 if eng and pt and eng["both"] > 0 and pt["both"] > 0 else 1)
+PYEOF
 fi
 log "all tiers passed in $(( $(date +%s) - start ))s"

@@ -260,3 +260,24 @@ def test_bench_server_refuses_a_bad_command_over_the_wire(tmp_path):
         if proc.poll() is None:
             proc.kill()
         proc.stdout.close()
+
+
+def test_desc_sweep_three_ways_and_nixl_prepped(tmp_path):
+    """--desc-sweep: lists, descriptor arrays and prepared lists (and NIXL's prepared path over tcp)
+    for each count and size asked, with units in every column header, JSON beside the table, the
+    single-request comparison and the goals."""
+    cp = _ok(_bench(["--desc-sweep", "--transport", "shm,tcp", "--vs", "nixl", "--descs", "1,1000",
+                     "--sizes", "64", "--quick", "--out", str(tmp_path)], timeout=600))
+    doc = json.loads((tmp_path / "hixl_descs.json").read_text())
+    got = {(r["transport"], r["way"], r["count"]) for r in doc["rows"]}
+    want = {(t, w, c) for t in ("shm", "tcp") for w in ("list", "numpy", "prepped") for c in (1, 1000)}
+    assert want <= got
+    if not doc["notes"]:  # NIXL installed (CI): its prepared path is measured too
+        assert {("tcp", "nixl-prepped", 1), ("tcp", "nixl-prepped", 1000)} <= got
+    assert all(0 < r["submit_med_us"] <= r["total_med_us"] for r in doc["rows"])
+    assert {s["transport"] for s in doc["single"]} == {"shm", "tcp"}
+    assert all(s["cpp_Mreq_s"] > 0 and s["python_Mreq_s"] > 0 for s in doc["single"])
+    assert any("5 M desc/s" in g["goal"] for g in doc["goals"])
+    for header in ("count[#desc]", "submit_med[us]", "submit_p99[us]", "total_med[us]", "submit_rate[Mdesc/s]"):
+        assert header in cp.stdout
+    assert (tmp_path / "hixl_descs.txt").read_text().startswith("hixl bench --desc-sweep")

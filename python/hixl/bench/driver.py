@@ -17,8 +17,8 @@ from . import peers
 from . import report
 from .server import Ctl, Server
 from .options import (
-    GOAL_BW_ROUNDS, GOAL_BW_SIZES, KiB, MiB, PERFTEST_MIN_BW_ITERS, Settings, UsageError, build_parser,
-    resolve)
+    GOAL_BW_ROUNDS, GOAL_BW_SIZES, KiB, MiB, PERFTEST_MIN_BW_ITERS, TRANSPORTS, Settings, UsageError, active_rdma,
+    build_parser, parse_choice, parse_ints, parse_sizes, resolve)
 from .sides import EndpointSide, EngineSide, PythonSide, Row, Side, build_rows, measure_row
 
 
@@ -435,6 +435,15 @@ def main(argv: Optional[List[str]] = None) -> int:
             return Server(a).serve()
         if a.from_json:
             return report_from_json(a)
+        if a.desc_sweep:
+            from . import descsweep
+            transports = parse_choice(a.transport, "--transport", TRANSPORTS) if a.transport else \
+                (["rdma"] if active_rdma() else ["shm", "tcp"])
+            vs = [v.strip() for v in (a.vs or "").split(",") if v.strip()]
+            counts = parse_ints(a.descs, "--descs", 1, 100000) if a.descs else None
+            sizes = parse_sizes(a.sizes) if a.sizes else None
+            return descsweep.main_sweep(transports, "nixl" in vs, a.out or "bench-results", a.name or "hixl_descs",
+                                        a.quick, counts, sizes)
         a.out = a.out or "bench-results"
         a.name = a.name or "hixl_bench"
         s = resolve(a)

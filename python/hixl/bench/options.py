@@ -108,7 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--op", default="write", help="write,read,write_imm (write-with-immediate) [write]")
     g.add_argument("--sizes", default=None, help="bytes per descriptor: 8,4K,1M or ranges 8-64M[:x4] [%s]"
                                                  % FULL_SIZES)
-    g.add_argument("--descs", default="1", help="descriptors per call, 1..4096 [1]")
+    g.add_argument("--descs", default=None, help="descriptors per call, 1..4096 [1; --desc-sweep: 1..100,000, "
+                                                 "default 1,10,100,1000,10000,100000]")
+    g.add_argument("--desc-sweep", action="store_true",
+                   help="instead: descriptors per call 1..100,000 from Python (TransferOpDesc lists, numpy "
+                        "descriptor arrays, prepared lists; NIXL's prepared path with --vs nixl) on --transport")
     g.add_argument("--window", default="128", help="outstanding requests per thread, 1..4096 [128, perftest's "
                                                    "tx depth]")
     g.add_argument("--threads", default="1", help="initiator threads sharing the link, 1..64 [1]")
@@ -202,7 +206,7 @@ def resolve(a: argparse.Namespace) -> Settings:
                          "run it inside the rxe VM: bash ci/rxe-vm.sh python3 -m hixl.bench --transport rdma ...")
     ops = parse_choice(a.op, "--op", OPS, OP_ALIASES)
     sizes = parse_sizes(a.sizes or (QUICK_SIZES if a.quick else FULL_SIZES))
-    descs = parse_ints(a.descs, "--descs", 1, 4096)
+    descs = parse_ints(a.descs or "1", "--descs", 1, 4096)
     windows = parse_ints(a.window, "--window", 1, 4096)
     threads = parse_ints(a.threads, "--threads", 1, 64)
     if a.path == "auto":
