@@ -255,3 +255,18 @@ def test_prepared_flag_arrives_after_the_bytes(pair):
     assert rc == SUCCESS and flags == [(pair.ini.local_engine, 77)]
     assert np.array_equal(pair.tbuf[:BLOCK], pair.ibuf[7 * BLOCK:8 * BLOCK])
     assert pair.ini.transfer_prepped_sync(READ, lh, [0], rh, [0], flag=1) == PARAM_INVALID  # flags need WRITE
+
+
+def test_the_one_descriptor_fast_path_refuses_what_the_full_path_refuses(pair):
+    """transfer_async's shortcut for one TransferOpDesc (no options) checks as much as the full path."""
+    from hixl import TransferOpDesc
+    good = [TransferOpDesc(pair.ia, pair.ta, 64)]
+    rc, req = pair.ini.transfer_async(pair.peer, WRITE, good)
+    assert rc == SUCCESS and pair.wait(req) == TransferStatus.COMPLETED
+    for remote, descs in (([pair.peer], good), (pair.peer, [TransferOpDesc(pair.ia, pair.ta, 0)]),
+                          (pair.peer, [TransferOpDesc(pair.ia, pair.ta, True)]),
+                          (pair.peer, [TransferOpDesc(pair.ia, 2 ** 64 - 8, 64)]),
+                          (pair.peer, [TransferOpDesc(pair.ia, pair.ta + SIZE, 64)])):
+        assert pair.ini.transfer_async(remote, WRITE, descs) == (PARAM_INVALID, 0), (remote, descs)
+        assert pair.ini.last_error()
+    assert np.array_equal(pair.tbuf[:64], pair.ibuf[:64]) and not pair.tbuf[64:].any()

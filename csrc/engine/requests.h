@@ -55,7 +55,7 @@ class Requests {
     bool expired = false;                                   // past its deadline, its link being aborted
     int final_status = -1;                                  // set once that abort ended (TIMEOUT or FAILED)
     std::string final_error;
-    void release() {  // IdSlab::erase: drop the link now (its queue pair may be waiting to go)
+    void on_erase() {  // IdSlab::erase: drop the link now (its queue pair may be waiting to go)
       link.reset();
       final_error.clear();
     }

@@ -141,7 +141,7 @@ class Endpoint {
     Status status = Status::kWaiting;  // its last work request's sequence lives in inflight_
     std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max();
     std::string error;
-    void release() { error.clear(); }  // IdSlab::erase
+    void on_erase() { error.clear(); }  // IdSlab::erase
   };
 
   void check_usable_locked() const;

@@ -50,15 +50,15 @@ class IdSlab {
     return s.id == id && id != 0 ? &s.value : nullptr;
   }
   const T* find(uint64_t id) const { return const_cast<IdSlab*>(this)->find(id); }
-  // Frees the slot (no-op for an id not live). The value is reset (T::release() when T has one,
+  // Frees the slot (no-op for an id not live). The value is reset (T::on_erase() when T has one,
   // else T()), so what it held (a shared_ptr, a string) goes now, not when the slot is reused.
   void erase(uint64_t id) {
     T* v = find(id);
     if (!v) return;
     const uint64_t index = id & kIndexMask;
     slots_[size_t(index)].id = 0;
-    if constexpr (has_release<T>::value)
-      v->release();  // the type drops what it holds itself (cheaper than building a T())
+    if constexpr (has_on_erase<T>::value)
+      v->on_erase();  // the type drops what it holds itself (cheaper than building a T())
     else
       *v = T();
     free_.push_back(index);
@@ -79,9 +79,9 @@ class IdSlab {
 
  private:
   template <class U, class = void>
-  struct has_release : std::false_type {};
+  struct has_on_erase : std::false_type {};
   template <class U>
-  struct has_release<U, std::void_t<decltype(std::declval<U&>().release())>> : std::true_type {};
+  struct has_on_erase<U, std::void_t<decltype(std::declval<U&>().on_erase())>> : std::true_type {};
   struct Slot {
     uint64_t id = 0;  // 0: free
     T value{};

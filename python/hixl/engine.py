@@ -425,7 +425,8 @@ class Hixl:
         (``HixlHeartbeatMs`` x ``HixlHeartbeatMisses``) ends its requests FAILED sooner."""
         try:
             if (args is None and optional_args is None and flag is None and timeout_in_millis is None
-                    and not self._finalized and type(op) is TransferOp and remote_engine in self._good_remotes):
+                    and not self._finalized and type(op) is TransferOp and type(remote_engine) is str
+                    and remote_engine in self._good_remotes):
                 # The common call, checked in fewer steps (the same checks): a known peer, a TransferOp,
                 # no options. This is the per-request cost of a Python loop of small transfers.
                 if type(op_descs) is list and len(op_descs) == 1:
