@@ -217,9 +217,9 @@ std::pair<int, uint64_t> Engine::prep_descs(const std::string& remote, const uin
     auto list = std::make_shared<DescList>();
     list->addr.assign(addr, addr + n);
     list->len.assign(len, len + n);
-    list->key.resize(n);
-    list->flags.resize(n);
-    if (remote.empty()) {
+    if (remote.empty()) {  // (a remote list's keys and flags are sized by resolve_remote_locked)
+      list->key.resize(n);
+      list->flags.resize(n);
       size_t bad = registry_.resolve_blocks(list->addr.data(), list->len.data(), n, list->key.data(),
                                             list->flags.data(), DescList::kLocalOk, &list->version);
       if (bad < n)

@@ -192,17 +192,8 @@ def _nixl_rows(counts: List[int], sizes: List[int], repeats: int, budget_s: floa
 
 
 def _nixl_child(cfg: Dict[str, Any]) -> int:
-    import logging
-    from .peers import _nixl_api, alloc
-    logging.getLogger("nixl").setLevel(logging.WARNING)
-    api = _nixl_api()
-    c = api.nixl_agent_config(backends=["UCX"])
-    ini, tgt = api.nixl_agent("sweep-initiator", c), api.nixl_agent("sweep-target", c)
-    lbuf, lbase = alloc(SPAN)
-    rbuf, rbase = alloc(SPAN)
-    ini.register_memory([(lbase, SPAN, 0, "")], "DRAM")
-    tgt.register_memory([(rbase, SPAN, 0, "")], "DRAM")
-    peer = ini.add_remote_agent(tgt.get_agent_metadata())
+    from .peers import nixl_agents
+    ini, _tgt, peer, (_lbuf, lbase), (_rbuf, rbase) = nixl_agents("sweep", SPAN)
     for size in cfg["sizes"]:
         n = SPAN // size
         lp = ini.prep_xfer_dlist("NIXL_INIT_AGENT", [(lbase + k * size, size, 0) for k in range(n)], "DRAM")

@@ -295,23 +295,28 @@ def nixl_rdma_unsupported(device: str) -> Optional[str]:
             "invisible to its UCX: NIXL over RDMA needs an mlx5 NIC here" % (device, driver or "rxe/unknown"))
 
 
+def nixl_agents(prefix: str, span: int):
+    """Two UCX agents of this process, each with `span` bytes of DRAM registered, the initiator
+    knowing the target: (initiator, target, the target's name, (lbuf, lbase), (rbuf, rbase))."""
+    import logging
+    logging.getLogger("nixl").setLevel(logging.WARNING)
+    api = _nixl_api()
+    if api is None:
+        raise RuntimeError(nixl_unavailable() or "NIXL import failed")
+    cfg = api.nixl_agent_config(backends=["UCX"])
+    ini, tgt = api.nixl_agent(prefix + "-initiator", cfg), api.nixl_agent(prefix + "-target", cfg)
+    local, remote = alloc(span), alloc(span)
+    ini.register_memory([(local[1], span, 0, "")], "DRAM")
+    tgt.register_memory([(remote[1], span, 0, "")], "DRAM")
+    return ini, tgt, ini.add_remote_agent(tgt.get_agent_metadata()), local, remote
+
+
 def nixl_main(a: argparse.Namespace) -> int:
     """Two UCX agents in this process, initiator -> target; one JSON line per size."""
     _die_with_parent()
     try:
-        import logging
-        logging.getLogger("nixl").setLevel(logging.WARNING)
-        api = _nixl_api()
-        if api is None:
-            raise RuntimeError(nixl_unavailable() or "NIXL import failed")
-        cfg = api.nixl_agent_config(backends=["UCX"])
-        ini, tgt = api.nixl_agent("hixl-bench-initiator", cfg), api.nixl_agent("hixl-bench-target", cfg)
         span = a.span
-        lbuf, lbase = alloc(span)
-        rbuf, rbase = alloc(span)
-        ini.register_memory([(lbase, span, 0, "")], "DRAM")
-        tgt.register_memory([(rbase, span, 0, "")], "DRAM")
-        peer = ini.add_remote_agent(tgt.get_agent_metadata())
+        ini, tgt, peer, (lbuf, lbase), (rbuf, rbase) = nixl_agents("hixl-bench", span)
         for op in a.ops.split(","):
             for size in [int(s) for s in a.sizes.split(",")]:
                 def xfer(n, size=size, op=op):
