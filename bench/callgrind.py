@@ -6,7 +6,12 @@ path where timings (under QEMU TCG, on a shared 2-core host) cannot. Measured, f
 one descriptor per request, window 128 (perftest's tx depth), on an RDMA device (rxe0 in the VM):
 
 * ``perftest``: ``ib_write_bw`` server and client, each whole process under callgrind, run with
-  N1 and N2 iterations: per request = (Ir(N2) - Ir(N1)) / (N2 - N1) (start-up cancels out);
+  1,000 and 20,000 iterations (PERFTEST_ITERS): per request = (Ir(20000) - Ir(1000)) / 19000
+  (start-up cancels out). The spread is wide because perftest calibrates its clock at start by
+  spinning on gettimeofday() for a fixed time, whose instruction count varies by +-200,000 from run
+  to run under callgrind: over 400 requests (CI's n1/n2 for our side) that noise even made the
+  per-request count negative once; over 19,000 it is +-10 per request. Requests are cheap here
+  (a few hundred instructions each), so the wide spread costs no time;
 * ``endpoint``: our C++ loop over one queue pair (``hixl._core.perf_write_stream``);
 * ``engine``: our C++ loop over the engine behind ``hixl.Hixl`` (``perf_engine_stream``);
 * ``python``: a Python loop over ``hixl.Hixl`` (``transfer_async`` + ``transfer_wait``).
@@ -39,6 +44,7 @@ PATHS = ("endpoint", "engine", "python")
 SIZE = 8
 WINDOW = 128
 SPAN = 1 << 20
+PERFTEST_ITERS = (1000, 20000)  # see above: wide, so that perftest's start-up noise averages out
 
 
 # ------------------------------------------------------------------------------ our two sides
@@ -192,7 +198,8 @@ def measure_ours(path: str, transport: str, n1: int, n2: int, out_dir: str) -> D
         tgt.close()
 
 
-def measure_perftest(device: str, gid: int, n1: int, n2: int, out_dir: str) -> Dict[str, float]:
+def measure_perftest(device: str, gid: int, out_dir: str, n1: int = PERFTEST_ITERS[0],
+                     n2: int = PERFTEST_ITERS[1]) -> Dict[str, float]:
     totals: Dict[int, Dict[str, int]] = {}
     for k, n in enumerate((n1, n2)):
         port = 18700 + k
@@ -247,7 +254,7 @@ def main() -> int:
     rows: List[dict] = []
     ref: Optional[float] = None
     if a.transport == "rdma":
-        pt = measure_perftest(a.device, a.gid_index, a.n1, a.n2, work)
+        pt = measure_perftest(a.device, a.gid_index, work)
         ref = pt["target"] + pt["initiator"]
         rows.append({"path": "perftest (ib_write_bw)", **pt, "both": ref})
     for p in paths:
@@ -258,7 +265,8 @@ def main() -> int:
     head = "%-24s %18s %18s %16s %16s" % ("path", "initiator[Ir/req]", "target[Ir/req]", "both[Ir/req]",
                                             "ours/perftest[x]")
     lines = ["callgrind, %s, %d B WRITE, 1 descriptor/request, window %d; Ir = user-space instructions, per request "
-             "= (Ir(%d) - Ir(%d)) / %d" % (a.transport, SIZE, WINDOW, a.n2, a.n1, a.n2 - a.n1), head, "-" * len(head)]
+             "= (Ir(N2) - Ir(N1)) / (N2 - N1), ours N = %d, %d; perftest's %d, %d"
+             % (a.transport, SIZE, WINDOW, a.n1, a.n2, *PERFTEST_ITERS), head, "-" * len(head)]
     for r in rows:
         lines.append("%-24s %18.0f %18.0f %16.0f %16s" % (r["path"], r["initiator"], r["target"], r["both"],
                                                        "-" if r["vs_perftest"] is None else "%.2f" % r["vs_perftest"]))
@@ -270,7 +278,8 @@ def main() -> int:
     print(text)
     (out / "callgrind.txt").write_text(text + "\n")
     (out / "callgrind.json").write_text(json.dumps({"rows": rows, "n1": a.n1, "n2": a.n2, "size_B": SIZE,
-                                                    "window": WINDOW, "transport": a.transport}, indent=1))
+                                                    "window": WINDOW, "transport": a.transport,
+                                                    "perftest_iters": list(PERFTEST_ITERS)}, indent=1))
     if not a.keep:
         shutil.rmtree(work, ignore_errors=True)
     return 0
