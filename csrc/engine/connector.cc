@@ -113,8 +113,10 @@ bool Engine::add_link(const std::shared_ptr<Link>& link, oob::Socket s, const wi
   return true;
 }
 
-void Engine::remove_link(const std::shared_ptr<Link>& link, const std::string& why, bool by_disconnect) {
-  links_.unpublish(link, why, by_disconnect);
+void Engine::remove_link(const std::shared_ptr<Link>& link, const std::string& why, Metrics::Cause cause) {
+  // Our disconnect() sent a goodbye: the peer closing the connection in answer ends it as ours.
+  if (link->disconnecting) cause = Metrics::Cause::kDisconnect;
+  links_.unpublish(link, why, cause == Metrics::Cause::kDisconnect);
   {
     std::lock_guard<std::mutex> g(link->mu);
     if (link->down) return;
@@ -122,6 +124,13 @@ void Engine::remove_link(const std::shared_ptr<Link>& link, const std::string& w
     link->down_reason = why;
     link->cv.notify_all();
   }
+  metrics_.link_closed(cause);
+  // Flags from this peer not seen yet will not come over this link: flag waiters learn it now. Not
+  // when finalizing (nobody waits), nor for a link a new one from the same peer replaced (the
+  // peer's later flags come over the new link; a transfer the old one lost fails there, and its
+  // sender says so with fail_flag).
+  if (cause != Metrics::Cause::kFinalize && cause != Metrics::Cause::kSuperseded)
+    inbox_.push_failure({link->key, -1, "the link to " + link->key + " closed: " + why});
   if (link->path) link->path->close();  // rdma: QP -> ERR; shm/tcp: copies stopped, peer's requests refused
   link->ctrl.shutdown();
   wake();
@@ -370,13 +379,18 @@ void Engine::serve_incoming(oob::Socket s) {
       // The first frame must be an AuthHello: anything else is refused by its header alone, and
       // nothing longer than an auth frame is read before the peer proved the token.
       wire::Header h = oob::recv_header(s, deadline);
-      if (h.type != wire::FrameType::kAuthHello)
+      if (h.type != wire::FrameType::kAuthHello) {
+        metrics_.link_closed(Metrics::Cause::kAuth);
         return refuse(kFailed, "authentication required (this engine accepts only peers with its HixlAuthToken)",
                       true);
+      }
       auto payload = oob::recv_payload(s, h, deadline, auth::kMaxPreAuthPayload);
       std::string why = auth::server_handshake(s, token, wire::parse_control(h.type, payload.data(), payload.size()),
                                                deadline);
-      if (!why.empty()) return refuse(kFailed, why, true);
+      if (!why.empty()) {
+        metrics_.link_closed(Metrics::Cause::kAuth);
+        return refuse(kFailed, why, true);
+      }
       authenticated = true;
     }
     auto [h, payload] = oob::recv_frame(s, deadline);
@@ -388,7 +402,10 @@ void Engine::serve_incoming(oob::Socket s) {
     if (c.type != wire::FrameType::kConnect) throw Error("expected a Connect frame, got type " + std::to_string(int(h.type)));
   } catch (const std::exception& e) {
     // Before authentication the reason stays generic: the details (which may name our socket) go to the log only.
-    if (!authenticated) return refuse(kFailed, "bad handshake (authentication required)", true, e.what());
+    if (!authenticated) {
+      metrics_.link_closed(Metrics::Cause::kAuth);
+      return refuse(kFailed, "bad handshake (authentication required)", true, e.what());
+    }
     return refuse(kFailed, std::string("bad handshake: ") + e.what());
   }
   int peer_port = -1;
@@ -457,7 +474,7 @@ void Engine::serve_incoming(oob::Socket s) {
       log::info("engine " + name_ + ": dropping the link from " + *key + " (finalizing)");
     } else {
       claimed = false;
-      if (old) remove_link(old, "superseded by a new connection from the same peer");
+      if (old) remove_link(old, "superseded by a new connection from the same peer", Metrics::Cause::kSuperseded);
       old.reset();
       oob::send_all(link->ctrl, wire::encode_ready(), deadline);
     }
@@ -465,7 +482,7 @@ void Engine::serve_incoming(oob::Socket s) {
   } catch (const std::exception& e) {
     log::warn("engine " + name_ + ": handshake with " + *key + " failed: " + e.what());
   }
-  if (old) remove_link(old, "superseded by a new connection from the same peer");
+  if (old) remove_link(old, "superseded by a new connection from the same peer", Metrics::Cause::kSuperseded);
   if (claimed) links_.release_incoming(*key);
 }
 
@@ -491,6 +508,7 @@ int Engine::disconnect_impl(const std::string& key, int timeout_ms, const std::s
   auto link = links_.find(key);
   if (!link && take_closed(key)) return ok();
   if (!link) return fail(kNotConnected, "disconnect: not connected to " + key);
+  link->disconnecting = true;
   try {
     wire::Control bye;
     bye.type = wire::FrameType::kBye;
@@ -499,7 +517,7 @@ int Engine::disconnect_impl(const std::string& key, int timeout_ms, const std::s
   } catch (const std::exception& e) {
     log::info("disconnect " + key + ": goodbye not delivered: " + e.what());
   }
-  remove_link(link, why, true);
+  remove_link(link, why, Metrics::Cause::kDisconnect);
   return ok();
 }
 

@@ -51,6 +51,7 @@ void Engine::handle_frame(const std::shared_ptr<Link>& link, const wire::Control
       ack.type = wire::FrameType::kNotifyAck;
       ack.seq = c.seq;
       ack.status = uint32_t(inbox_.offer_notify(link->key, c.name, c.text));  // too long: a hostile or broken peer
+      if (ack.status == kSuccess) metrics_.notify_received();
       link->send(ack, until);
       break;
     }
@@ -79,11 +80,12 @@ void Engine::handle_frame(const std::shared_ptr<Link>& link, const wire::Control
         link->send(ack, until);
       } catch (const std::exception&) {
       }
-      remove_link(link, "peer aborted the link: " + c.text);
+      remove_link(link, "peer aborted the link: " + c.text, Metrics::Cause::kAbort);
       break;
     }
-    case wire::FrameType::kBye: remove_link(link, "peer disconnected: " + c.text); break;
+    case wire::FrameType::kBye: remove_link(link, "peer disconnected: " + c.text, Metrics::Cause::kPeerClosed); break;
     case wire::FrameType::kFlag: inbox_.push_flag(link->key, c.status); break;
+    case wire::FrameType::kFlagFailed: inbox_.push_failure({link->key, int64_t(c.status), c.text}); break;
     case wire::FrameType::kPing: {
       wire::Control pong;
       pong.type = wire::FrameType::kPong;
@@ -132,7 +134,7 @@ void Engine::close_if_frame_stuck(const std::shared_ptr<Link>& link, Clock::time
                           std::to_string(kFrameCompleteBound.count()) + " ms): " + link->rx.describe_pending() +
                           " arrived, then nothing: the peer is hung or broken";
   log::warn("engine " + name_ + ": link to " + link->key + ": " + why + "; closing it");
-  remove_link(link, why);
+  remove_link(link, why, Metrics::Cause::kStuckFrame);
 }
 
 void Engine::progress_loop() {
@@ -170,7 +172,8 @@ void Engine::progress_loop() {
       try {
         read_control(link);
       } catch (const std::exception& e) {
-        if (!link->is_down()) remove_link(link, std::string("control connection lost: ") + e.what());
+        if (!link->is_down())
+          remove_link(link, std::string("control connection lost: ") + e.what(), Metrics::Cause::kPeerClosed);
       }
     }
     const auto now = Clock::now();
@@ -214,7 +217,7 @@ void Engine::heartbeat() {
                               " intervals without an answer): the peer is hung, stopped or unreachable" +
                               link->pending_note();
       log::warn("engine " + name_ + ": link to " + link->key + ": " + why + "; closing it");
-      remove_link(link, why);
+      remove_link(link, why, Metrics::Cause::kHeartbeat);
       continue;
     }
     if (now - link->last_ping < milliseconds(hb)) continue;

@@ -23,7 +23,7 @@ struct Engine::Worker {
   std::atomic<bool> done{false};
 };
 
-Engine::Engine() : probe_cookie_(random_u64() | 1), instance_(random_u64()) {}
+Engine::Engine() : probe_cookie_(random_u64() | 1), instance_(random_u64()), requests_(metrics_) {}
 
 Engine::~Engine() {
   try {
@@ -170,7 +170,7 @@ void Engine::finalize() {
       link->send(bye, Clock::now() + milliseconds(200));
     } catch (const std::exception&) {
     }
-    remove_link(link, "engine finalized");
+    remove_link(link, "engine finalized", Metrics::Cause::kFinalize);
   }
   std::vector<std::shared_ptr<Worker>> workers;
   {
@@ -281,5 +281,16 @@ std::pair<int, LinkInfo> Engine::link_info(const std::string& remote) {
 }
 
 std::vector<std::string> Engine::peers() { return links_.keys(); }
+
+Metrics::Snapshot Engine::metrics(std::array<uint64_t, Metrics::kTransports>* links) const {
+  links->fill(0);
+  for (const auto& l : links_.all()) {
+    const int t = int(l->transport) - 1;
+    if (t >= 0 && t < Metrics::kTransports) ++(*links)[size_t(t)];
+  }
+  Metrics::Snapshot s = metrics_.snapshot();
+  requests_.add_counts_to(&s);
+  return s;
+}
 
 }  // namespace hixl::engine

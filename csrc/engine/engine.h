@@ -11,6 +11,7 @@
 //   Requests (requests.h)        async transfers, deadlines, expiry                    mu_ (+ cv_)
 //   Inbox (inbox.h)              notifies, completion flags and their eventfd          notify_mu_, flag_mu_ (leaves)
 //   DescLists (desc_lists.h)     prepared descriptor lists (blocks resolved once)      mu_ (leaf); each list's mu
+//   Metrics (metrics.h)          counters of transfers, links closed, notifies, refusals  none (atomics)
 //   Engine (this file)           lifecycle: state, options, name, threads, workers     mu_, workers_mu_, push_mu_
 //
 // The engine's own files split its work by concern: engine.cc (lifecycle, registration, queries),
@@ -38,6 +39,7 @@
 // Every public method returns a hixl status code (or a pair starting with one) and never throws.
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
@@ -54,6 +56,7 @@
 #include "engine/inbox.h"
 #include "engine/link.h"
 #include "engine/link_table.h"
+#include "engine/metrics.h"
 #include "engine/registry.h"
 #include "engine/requests.h"
 #include "engine/types.h"
@@ -129,6 +132,12 @@ class Engine {
   std::pair<int, std::vector<FlagEvent>> poll_flags(size_t max);
   std::pair<int, std::vector<FlagEvent>> wait_flags(size_t max, int timeout_ms);
   int flag_fd() const { return inbox_.flag_fd(); }
+  // Flag failures: fail_flag tells a connected peer that flag `value` will not come, and why (its
+  // poll_flag_failures returns it; reason: at most kMaxNotifyBytes, longer is cut). A link that
+  // closes (except by finalize) gives a failure with value -1: none of that peer's flags not yet
+  // seen will come over it. The flag eventfd and wait_flags wake for failures too.
+  int fail_flag(const std::string& remote, uint32_t value, const std::string& reason, int timeout_ms);
+  std::pair<int, std::vector<FlagFailure>> poll_flag_failures(size_t max);
 
   // Beyond CANN.
   std::string local_engine() const;     // canonical "ip:port" (the bound port), or "ip" (client only)
@@ -136,6 +145,10 @@ class Engine {
   std::pair<int, LinkInfo> link_info(const std::string& remote);
   std::vector<std::string> peers();
   std::string last_error() const;       // the reason behind the last non-SUCCESS status of this thread
+  // The counters (metrics.h) and the links open now, by transport (rdma, shm, tcp).
+  Metrics::Snapshot metrics(std::array<uint64_t, Metrics::kTransports>* links) const;
+  // A transfer refused before it reached the engine (the Python layer's argument checks).
+  void count_refused(Metrics::Refused r) { metrics_.refused(r); }
 
 
  private:
@@ -156,8 +169,9 @@ class Engine {
   // Publishes a link whose path is built; false when finalizing or (without superseded) one exists.
   bool add_link(const std::shared_ptr<Link>& link, oob::Socket s, const wire::Control& peer,
                 std::shared_ptr<Link>* superseded);
-  // Unpublishes the link and closes it (idempotent). by_disconnect: our own disconnect().
-  void remove_link(const std::shared_ptr<Link>& link, const std::string& why, bool by_disconnect = false);
+  // Unpublishes the link and closes it (idempotent; counted once, under cause). Cause::kDisconnect:
+  // our own disconnect().
+  void remove_link(const std::shared_ptr<Link>& link, const std::string& why, Metrics::Cause cause);
   bool take_closed(const std::string& key);  // a link to key ended without our disconnect()
   void accept_loop();
   void accept_incoming();
@@ -182,6 +196,11 @@ class Engine {
   // Posting checked descriptors (both kinds of transfer end here).
   int run_sync(const std::shared_ptr<Link>& link, TransferOp op, const std::vector<rdma::Desc>& rd,
                std::chrono::steady_clock::time_point deadline, int timeout_ms, int64_t flag, const char* call);
+  // A refused transfer: counted under r, and rc returned.
+  int refuse(Metrics::Refused r, int rc) {
+    metrics_.refused(r);
+    return rc;
+  }
   std::pair<int, uint64_t> run_async(const std::shared_ptr<Link>& link, TransferOp op,
                                      const std::vector<rdma::Desc>& rd, uint64_t user_data, int64_t flag,
                                      int timeout_ms, std::chrono::steady_clock::time_point start, const char* call);
@@ -219,7 +238,8 @@ class Engine {
   std::string boot_id_;
   std::shared_ptr<verbs::ProtectionDomain> pd_;  // shared with every link's endpoint and the registry
 
-  // The parts.
+  // The parts (metrics_ first: Requests counts into it).
+  Metrics metrics_;
   Registry registry_;
   LinkTable links_;
   Handshakes handshakes_;

@@ -64,13 +64,49 @@ void Inbox::push_flag(const std::string& peer, uint32_t value) {
                " completion flags pending, nobody reads them: dropping flag " + std::to_string(value) + " from " + peer);
     return;
   }
-  if (flags_.empty() && flag_fd_ >= 0) {
+  flags_.push_back({peer, value});
+  signal_locked();
+}
+
+void Inbox::push_failure(FlagFailure f) {
+  std::lock_guard<std::mutex> g(flag_mu_);
+  if (failures_.size() >= kMaxPendingFlags) {
+    log::error("engine " + owner_ + ": " + std::to_string(failures_.size()) +
+               " flag failures pending, nobody reads them: dropping one from " + f.peer + ": " + f.reason);
+    return;
+  }
+  failures_.push_back(std::move(f));
+  signal_locked();
+}
+
+void Inbox::signal_locked() {
+  if (!signalled_ && flag_fd_ >= 0) {
     uint64_t one = 1;
     ssize_t rc = ::write(flag_fd_, &one, sizeof one);
     (void)rc;
+    signalled_ = true;
   }
-  flags_.push_back({peer, value});
   flag_cv_.notify_all();
+}
+
+void Inbox::unsignal_locked() {
+  if (signalled_ && flags_.empty() && failures_.empty()) {
+    uint64_t v;
+    ssize_t rc = ::read(flag_fd_, &v, sizeof v);  // back to "not readable"
+    (void)rc;
+    signalled_ = false;
+  }
+}
+
+std::vector<FlagFailure> Inbox::poll_failures(size_t max) {
+  std::lock_guard<std::mutex> g(flag_mu_);
+  std::vector<FlagFailure> out;
+  while (!failures_.empty() && out.size() < max) {
+    out.push_back(std::move(failures_.front()));
+    failures_.pop_front();
+  }
+  unsignal_locked();
+  return out;
 }
 
 std::vector<FlagEvent> Inbox::take_flags_locked(size_t max) {
@@ -79,11 +115,7 @@ std::vector<FlagEvent> Inbox::take_flags_locked(size_t max) {
     out.push_back(std::move(flags_.front()));
     flags_.pop_front();
   }
-  if (flags_.empty() && !out.empty() && flag_fd_ >= 0) {
-    uint64_t v;
-    ssize_t rc = ::read(flag_fd_, &v, sizeof v);  // back to "not readable"
-    (void)rc;
-  }
+  unsignal_locked();
   return out;
 }
 
@@ -94,7 +126,7 @@ std::vector<FlagEvent> Inbox::poll_flags(size_t max) {
 
 bool Inbox::wait_flags(size_t max, int timeout_ms, std::vector<FlagEvent>* out) {
   std::unique_lock<std::mutex> lk(flag_mu_);
-  wait_up_to(flag_cv_, lk, timeout_ms, [&] { return !flags_.empty() || closed_; });
+  wait_up_to(flag_cv_, lk, timeout_ms, [&] { return !flags_.empty() || !failures_.empty() || closed_; });
   if (closed_) return false;
   *out = take_flags_locked(max);
   return true;

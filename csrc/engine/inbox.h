@@ -1,6 +1,8 @@
 // The inbox: what peers send this engine to read — notifies (name, message; at most
-// kMaxUnreadNotifies unread per peer, counted across reconnects) and completion flags (with an
-// eventfd that is readable exactly while flags are pending, for select/poll/asyncio).
+// kMaxUnreadNotifies unread per peer, counted across reconnects), completion flags, and flag
+// failures (a flag that will not come: the peer's fail_flag, or its link closed). The eventfd is
+// readable exactly while flags or failures are pending (for select/poll/asyncio), and a flag
+// waiter wakes for either.
 //
 // Locks: `notify_mu_` and `flag_mu_`, each a leaf guarding its own queue.
 #pragma once
@@ -37,14 +39,20 @@ class Inbox {
   // A flag from `peer` (beyond kMaxPendingFlags unread: dropped, with an error logged).
   void push_flag(const std::string& peer, uint32_t value);
   std::vector<FlagEvent> poll_flags(size_t max);
-  // Blocks up to timeout_ms (< 0: no limit) for a flag; false when the inbox was closed.
+  // Blocks up to timeout_ms (< 0: no limit) for a flag or a failure (*out holds the flags: it may be
+  // empty when a failure woke it); false when the inbox was closed.
   bool wait_flags(size_t max, int timeout_ms, std::vector<FlagEvent>* out);
+  // A flag failure (bounded as flags are).
+  void push_failure(FlagFailure f);
+  std::vector<FlagFailure> poll_failures(size_t max);
 
   // The engine is finalizing: every waiter returns now, and every later wait at once.
   void close();
 
  private:
   std::vector<FlagEvent> take_flags_locked(size_t max);
+  void signal_locked();    // something was queued: the eventfd becomes readable, waiters wake
+  void unsignal_locked();  // after a take: not readable once both queues are empty
 
   std::string owner_;
   std::mutex notify_mu_;
@@ -56,7 +64,9 @@ class Inbox {
   std::mutex flag_mu_;
   std::condition_variable flag_cv_;
   std::deque<FlagEvent> flags_;
-  int flag_fd_ = -1;  // eventfd: counter > 0 exactly while flags_ is not empty
+  std::deque<FlagFailure> failures_;
+  bool signalled_ = false;  // the eventfd's counter is > 0
+  int flag_fd_ = -1;        // eventfd: counter > 0 exactly while flags_ or failures_ is not empty
 };
 
 }  // namespace hixl::engine

@@ -73,6 +73,7 @@ class Link {
   std::atomic<Clock::rep> last_rx{0};
   Clock::time_point last_ping{};
   std::atomic<bool> aborting{false};
+  std::atomic<bool> disconnecting{false};  // our disconnect() is ending it (a goodbye was sent)
   void heard() { last_rx = Clock::now().time_since_epoch().count(); }
   milliseconds silent_for(Clock::time_point now) const {
     return std::chrono::duration_cast<milliseconds>(now - Clock::time_point(Clock::duration(last_rx.load())));

@@ -2,16 +2,18 @@
 
 #include <algorithm>
 
+#include "util/ticks.h"
 #include "verbs/log.h"
 
 namespace hixl::engine {
 
 uint64_t Requests::add(std::shared_ptr<Link> link, uint64_t path_req, uint64_t user_data, int timeout_ms,
-                       Clock::time_point deadline) {
+                       Clock::time_point deadline, const Shape& shape) {
   Request r;
   r.link = std::move(link);
   r.path_req = path_req;
   r.user_data = user_data;
+  r.shape = shape;
   r.timeout_ms = timeout_ms;
   r.deadline = deadline;
   std::lock_guard<std::mutex> g(mu_);
@@ -33,23 +35,21 @@ rdma::RequestResult Requests::poll_locked(Request& r) {
   return res;
 }
 
-namespace {
-void log_end(uint64_t id, const rdma::RequestResult& res) {
+void Requests::end_locked(uint64_t id, Request& r, const rdma::RequestResult& res) {
   if (res.status == TransferStatus::kFailed || res.status == TransferStatus::kTimeout)
     log::warn("transfer request " + std::to_string(id) +
               (res.status == TransferStatus::kFailed ? " failed: " : " timed out: ") + res.error);
+  metrics_.transfer_ended(&counts_, r.shape.op, r.link->transport, res.status, r.shape.bytes, r.shape.descriptors,
+                          util::ticks() - r.shape.start_ticks);
+  reqs_.erase(id);
 }
-}  // namespace
 
 std::optional<rdma::RequestResult> Requests::status(uint64_t id) {
   std::lock_guard<std::mutex> g(mu_);
   Request* r = reqs_.find(id);
   if (!r) return std::nullopt;
   rdma::RequestResult res = poll_locked(*r);
-  if (res.status != TransferStatus::kWaiting) {
-    reqs_.erase(id);
-    log_end(id, res);
-  }
+  if (res.status != TransferStatus::kWaiting) end_locked(id, *r, res);
   return res;
 }
 
@@ -73,8 +73,7 @@ std::vector<TransferResult> Requests::all(uint64_t max_count, bool skip_waiting)
     rdma::RequestResult res = poll_locked(r);
     const uint64_t user_data = r.user_data;
     if (res.status != TransferStatus::kWaiting) {
-      log_end(id, res);
-      reqs_.erase(id);
+      end_locked(id, r, res);
     } else if (skip_waiting) {
       continue;
     }
@@ -127,6 +126,11 @@ void Requests::finish_expired(const std::shared_ptr<Link>& link, bool confirmed)
     });
   }
   cv_.notify_all();
+}
+
+void Requests::add_counts_to(Metrics::Snapshot* s) const {
+  std::lock_guard<std::mutex> g(mu_);
+  counts_.add_to(s);
 }
 
 void Requests::clear() {

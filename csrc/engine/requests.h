@@ -5,6 +5,8 @@
 // status calls consume it under the table's lock, so two threads polling one request cannot turn a
 // COMPLETED into "unknown request".
 //
+// A request's end is counted in the engine's Metrics when its terminal status is reported.
+//
 // Lock: `mu_` (with `cv_`: an expired request got its final status). A Link's `mu` may be taken
 // while it is held (to say why a link went down), never the other way round.
 #pragma once
@@ -17,16 +19,27 @@
 #include <vector>
 
 #include "engine/link.h"
+#include "engine/metrics.h"
 #include "util/id_slab.h"
 
 namespace hixl::engine {
 
+// What a request's end is counted with (Metrics::transfer_ended).
+struct RequestShape {
+  TransferOp op = TransferOp::kWrite;
+  uint32_t descriptors = 0;
+  uint64_t bytes = 0;
+  uint64_t start_ticks = 0;  // util::ticks() at submission
+};
+
 class Requests {
  public:
+  using Shape = RequestShape;
+  explicit Requests(Metrics& metrics) : metrics_(metrics) {}
   // A submitted request on link's path (its path request id); deadline Clock::time_point::max(): none.
   // 0 when IdSlab::kMaxLive requests are outstanding (the caller reports RESOURCE_EXHAUSTED).
   uint64_t add(std::shared_ptr<Link> link, uint64_t path_req, uint64_t user_data, int timeout_ms,
-               Clock::time_point deadline);
+               Clock::time_point deadline, const Shape& shape = {});
 
   // Its status (consumed when terminal); nullopt for an id never issued or already reported.
   std::optional<rdma::RequestResult> status(uint64_t id);
@@ -44,12 +57,15 @@ class Requests {
   void finish_expired(const std::shared_ptr<Link>& link, bool confirmed);
 
   void clear();
+  // Adds the counts of the requests that ended here (Metrics, counted under mu_) to *s.
+  void add_counts_to(Metrics::Snapshot* s) const;
 
  private:
   struct Request {
     std::shared_ptr<Link> link;
     uint64_t path_req = 0;
     uint64_t user_data = 0;
+    Shape shape;
     int timeout_ms = 0;                                     // 0: no deadline
     Clock::time_point deadline = Clock::time_point::max();
     bool expired = false;                                   // past its deadline, its link being aborted
@@ -62,7 +78,11 @@ class Requests {
   };
   // A request's status without consuming it from reqs_ (mu_ held); the path's is consumed.
   rdma::RequestResult poll_locked(Request& r);
+  // A request's terminal status was reported (mu_ held): log it, count it, drop it.
+  void end_locked(uint64_t id, Request& r, const rdma::RequestResult& res);
 
+  Metrics& metrics_;
+  Metrics::LocalCounts counts_;  // the requests that ended, by op, transport and status (mu_)
   mutable std::mutex mu_;
   std::condition_variable cv_;
   util::IdSlab<Request> reqs_;

@@ -4,6 +4,7 @@
 
 #include "engine/engine.h"
 #include "engine/internal.h"
+#include "util/ticks.h"
 #include "verbs/error.h"
 #include "verbs/log.h"
 
@@ -29,7 +30,9 @@ int Engine::find_link(const std::string& remote, int timeout_ms, const char* cal
     return kSuccess;
   }
   auto canon = canonical(remote);
-  if (!canon) return fail(kParamInvalid, std::string(call) + ": \"" + remote + "\" is not an engine address");
+  if (!canon)
+    return refuse(Metrics::Refused::kParam,
+                  fail(kParamInvalid, std::string(call) + ": \"" + remote + "\" is not an engine address"));
   if (key) *key = *canon;
   return ensure_link(*canon, timeout_ms, out);
 }
@@ -51,11 +54,11 @@ void Engine::refresh_regions(const std::shared_ptr<Link>& link, Clock::time_poin
 
 int Engine::prepare(const std::shared_ptr<Link>& link, TransferOp op, const OpDesc* descs, size_t n,
                     Clock::time_point deadline, std::vector<rdma::Desc>* out) {
-  if (n == 0) return fail(kParamInvalid, "transfer: empty descriptor list");
+  if (n == 0) return refuse(Metrics::Refused::kParam, fail(kParamInvalid, "transfer: empty descriptor list"));
   if (op != TransferOp::kRead && op != TransferOp::kWrite)
-    return fail(kParamInvalid, "transfer: unknown op " + std::to_string(int(op)));
+    return refuse(Metrics::Refused::kParam, fail(kParamInvalid, "transfer: unknown op " + std::to_string(int(op))));
   if (!link->path) return fail(kFailed, "transfer: link to " + link->key + " has no data transport");
-  if (int rc = registry_.resolve_local(descs, n, out); rc != kSuccess) return rc;
+  if (int rc = registry_.resolve_local(descs, n, out); rc != kSuccess) return refuse(Metrics::Refused::kRange, rc);
   const uint32_t need = op == TransferOp::kWrite ? wire::kRemoteWrite : wire::kRemoteRead;
   auto resolve = [&](size_t* bad) {
     std::lock_guard<std::mutex> g(link->mu);
@@ -77,6 +80,12 @@ int Engine::prepare(const std::shared_ptr<Link>& link, TransferOp op, const OpDe
   refresh_regions(link, deadline);
   if (resolve(&bad)) return kSuccess;
   const rdma::Desc& d = (*out)[bad];
+  bool in_a_region;  // but one without the access: refused for access, else for its range
+  {
+    std::lock_guard<std::mutex> g(link->mu);
+    in_a_region = link->remote.find(d.remote_addr, d.length, 0) != nullptr;
+  }
+  metrics_.refused(in_a_region ? Metrics::Refused::kAccess : Metrics::Refused::kRange);
   return fail(kParamInvalid, CallDesc("transfer").arg("desc", bad).hex("remote_addr", d.remote_addr).arg("len", d.length)
                                  .str() + ": remote range is not inside a region " + link->key + " registered for " +
                                  (op == TransferOp::kWrite ? "remote write" : "remote read"));
@@ -101,14 +110,17 @@ bool Engine::abort_link(const std::shared_ptr<Link>& link, const std::string& wh
     link->forget(seq);
     log::warn("abort of link " + link->key + ": " + e.what());
   }
-  remove_link(link, why);
+  remove_link(link, why, Metrics::Cause::kAbort);
   return confirmed;
 }
 
 int Engine::submit_checks(TransferOp op, int64_t flag, const char* call) {
   if (flag < 0) return kSuccess;
-  if (flag > int64_t(UINT32_MAX)) return fail(kParamInvalid, std::string(call) + ": flag must be < 2^32");
-  if (op != TransferOp::kWrite) return fail(kParamInvalid, std::string(call) + ": a completion flag needs a WRITE");
+  if (flag > int64_t(UINT32_MAX))
+    return refuse(Metrics::Refused::kParam, fail(kParamInvalid, std::string(call) + ": flag must be < 2^32"));
+  if (op != TransferOp::kWrite)
+    return refuse(Metrics::Refused::kParam,
+                  fail(kParamInvalid, std::string(call) + ": a completion flag needs a WRITE"));
   return kSuccess;
 }
 
@@ -119,27 +131,44 @@ std::vector<rdma::Desc>& scratch() {
   thread_local std::vector<rdma::Desc> v;
   return v;
 }
+
+uint64_t bytes_of(const std::vector<rdma::Desc>& rd) {
+  uint64_t n = 0;
+  for (const rdma::Desc& d : rd) n += d.length;
+  return n;
+}
 }  // namespace
 
 int Engine::run_sync(const std::shared_ptr<Link>& link, TransferOp op, const std::vector<rdma::Desc>& rd,
                      Clock::time_point deadline, int timeout_ms, int64_t flag, const char* call) {
   const std::string& key = link->key;
   transport::Op top = op == TransferOp::kWrite ? transport::Op::kWrite : transport::Op::kRead;
+  const uint64_t t0 = util::ticks();
+  auto ended = [&](TransferStatus s) {
+    metrics_.transfer_ended(op, link->transport, s, bytes_of(rd), rd.size(), util::ticks() - t0);
+  };
   rdma::RequestResult r;
   try {
     uint64_t id = link->path->submit(top, rd, std::max(left_until(deadline), milliseconds(1)),
                                      flag < 0 ? transport::Flag() : transport::Flag(uint32_t(flag)));
     r = link->path->wait(id, left_until(deadline));
   } catch (const Error& e) {
-    remove_link(link, std::string("transfer failed: ") + e.what());
+    ended(TransferStatus::kFailed);
+    remove_link(link, std::string("transfer failed: ") + e.what(), Metrics::Cause::kTransferError);
     return fail(kFailed, std::string(call) + " to " + key + ": " + e.what());
   }
-  if (r.status == TransferStatus::kCompleted) return ok();
+  if (r.status == TransferStatus::kCompleted) {
+    ended(TransferStatus::kCompleted);
+    return ok();
+  }
   if (r.status == TransferStatus::kFailed) {
-    remove_link(link, "transfer failed: " + r.error);
+    ended(TransferStatus::kFailed);
+    remove_link(link, "transfer failed: " + r.error, Metrics::Cause::kTransferError);
     return fail(kFailed, std::string(call) + " to " + key + ": " + r.error);
   }
-  if (!abort_link(link, std::string(call) + " timed out after " + std::to_string(timeout_ms) + " ms"))
+  const bool confirmed = abort_link(link, std::string(call) + " timed out after " + std::to_string(timeout_ms) + " ms");
+  ended(confirmed ? TransferStatus::kTimeout : TransferStatus::kFailed);
+  if (!confirmed)
     return fail(kFailed, std::string(call) + " to " + key + ": not complete within " + std::to_string(timeout_ms) +
                              " ms, and the peer did not confirm its queue pair is in the error state: writes "
                              "already on the wire may still land. The link is closed");
@@ -151,20 +180,26 @@ int Engine::run_sync(const std::shared_ptr<Link>& link, TransferOp op, const std
 std::pair<int, uint64_t> Engine::run_async(const std::shared_ptr<Link>& link, TransferOp op,
                                            const std::vector<rdma::Desc>& rd, uint64_t user_data, int64_t flag,
                                            int timeout_ms, Clock::time_point start, const char* call) {
+  const uint64_t t0 = util::ticks();
   uint64_t ep_req;
   try {
     ep_req = link->path->submit(op == TransferOp::kWrite ? transport::Op::kWrite : transport::Op::kRead, rd,
                                 milliseconds(-1), flag < 0 ? transport::Flag() : transport::Flag(uint32_t(flag)));
   } catch (const Error& e) {
     if (e.err() == EAGAIN)  // the path's table of requests not yet collected is full; the link is fine
-      return {fail(kResourceExhausted, std::string(call) + " to " + link->key + ": " + e.what()), 0};
-    remove_link(link, std::string("transfer failed: ") + e.what());
+      return {refuse(Metrics::Refused::kLimit,
+                     fail(kResourceExhausted, std::string(call) + " to " + link->key + ": " + e.what())),
+              0};
+    metrics_.transfer_ended(op, link->transport, TransferStatus::kFailed, 0, rd.size(), util::ticks() - t0);
+    remove_link(link, std::string("transfer failed: ") + e.what(), Metrics::Cause::kTransferError);
     return {fail(kFailed, std::string(call) + " to " + link->key + ": " + e.what()), 0};
   }
   const auto deadline = timeout_ms > 0 ? start + milliseconds(timeout_ms) : Clock::time_point::max();
-  const uint64_t id = requests_.add(link, ep_req, user_data, timeout_ms, deadline);
+  const uint64_t id = requests_.add(link, ep_req, user_data, timeout_ms, deadline,
+                                    {op, uint32_t(std::min<size_t>(rd.size(), UINT32_MAX)), bytes_of(rd), t0});
   if (!id) {  // more requests outstanding than the table holds: this one ends here, not unseen
     link->path->wait(ep_req, milliseconds(timeout_ms > 0 ? timeout_ms : 60000));
+    metrics_.refused(Metrics::Refused::kLimit);
     return {fail(kResourceExhausted, std::string(call) + " to " + link->key + ": " +
                                          std::to_string(util::IdSlab<int>::kMaxLive) +
                                          " requests not yet collected with get_transfer_status (this one was waited for)"),
@@ -177,9 +212,10 @@ int Engine::transfer_sync(const std::string& remote, TransferOp op, const OpDesc
                           int64_t flag) {
   try {
     if (!ready()) return fail(kFailed, "transfer_sync: engine is not initialized");
-    if (timeout_ms <= 0) return fail(kParamInvalid, "transfer_sync: timeout_in_millis must be > 0");
+    if (timeout_ms <= 0)
+      return refuse(Metrics::Refused::kParam, fail(kParamInvalid, "transfer_sync: timeout_in_millis must be > 0"));
     if (int rc = submit_checks(op, flag, "transfer_sync"); rc != kSuccess) return rc;
-    auto deadline = Clock::now() + milliseconds(timeout_ms);
+    const auto deadline = Clock::now() + milliseconds(timeout_ms);
     std::shared_ptr<Link> link;
     if (int rc = find_link(remote, timeout_ms, "transfer_sync", &link, nullptr); rc != kSuccess) return rc;
     std::vector<rdma::Desc>& rd = scratch();
@@ -264,15 +300,18 @@ int Engine::release_descs(uint64_t handle) {
 int Engine::build_prepped(TransferOp op, uint64_t local_list, const uint64_t* local_idx, uint64_t remote_list,
                           const uint64_t* remote_idx, size_t n, int timeout_ms, const char* call,
                           std::shared_ptr<Link>* link_out, std::vector<rdma::Desc>* out) {
-  if (n == 0) return fail(kParamInvalid, std::string(call) + ": no descriptors");
+  constexpr auto kParam = Metrics::Refused::kParam;
+  if (n == 0) return refuse(kParam, fail(kParamInvalid, std::string(call) + ": no descriptors"));
   if (op != TransferOp::kRead && op != TransferOp::kWrite)
-    return fail(kParamInvalid, std::string(call) + ": unknown op " + std::to_string(int(op)));
+    return refuse(kParam, fail(kParamInvalid, std::string(call) + ": unknown op " + std::to_string(int(op))));
   auto L = lists_.get(local_list);
   if (!L || L->remote)
-    return fail(kParamInvalid, CallDesc(call).arg("local_list", local_list).str() + ": not a prepared list of ours");
+    return refuse(kParam, fail(kParamInvalid, CallDesc(call).arg("local_list", local_list).str() +
+                                                  ": not a prepared list of ours"));
   auto R = lists_.get(remote_list);
   if (!R || !R->remote)
-    return fail(kParamInvalid, CallDesc(call).arg("remote_list", remote_list).str() + ": not a prepared list of a peer");
+    return refuse(kParam, fail(kParamInvalid, CallDesc(call).arg("remote_list", remote_list).str() +
+                                                  ": not a prepared list of a peer"));
   std::shared_ptr<Link>& link = *link_out;
   if (int rc = ensure_link(R->peer, timeout_ms, &link); rc != kSuccess) return rc;
   if (!link->path) return fail(kFailed, std::string(call) + ": link to " + link->key + " has no data transport");
@@ -283,6 +322,7 @@ int Engine::build_prepped(TransferOp op, uint64_t local_list, const uint64_t* lo
     size_t bad = n;
     const char* why = nullptr;
     bool remote_access = false;  // why: a remote block lacks the access (a refresh may help)
+    bool in_a_region = false;    // ... though it is inside a region (with other access)
     {
       std::lock_guard<std::mutex> gl(L->mu);
       std::lock_guard<std::mutex> gr(R->mu);
@@ -321,6 +361,7 @@ int Engine::build_prepped(TransferOp op, uint64_t local_list, const uint64_t* lo
         }
         if (!(R->flags[ri] & need)) {
           bad = i, remote_access = true;
+          in_a_region = R->flags[ri] & (wire::kRemoteRead | wire::kRemoteWrite);
           why = write ? "the remote block is not inside a region the peer registered for remote write"
                                : "the remote block is not inside a region the peer registered for remote read";
           break;
@@ -335,6 +376,7 @@ int Engine::build_prepped(TransferOp op, uint64_t local_list, const uint64_t* lo
       continue;
     }
     const uint64_t li = local_idx[bad], ri = remote_idx[bad];
+    metrics_.refused(in_a_region ? Metrics::Refused::kAccess : Metrics::Refused::kRange);
     return fail(kParamInvalid, CallDesc(call).arg("desc", bad).arg("local_idx", li).arg("remote_idx", ri)
                                    .arg("local_blocks", L->size()).arg("remote_blocks", R->size()).str() + ": " + why);
   }
@@ -345,9 +387,11 @@ int Engine::transfer_prepped_sync(TransferOp op, uint64_t local_list, const uint
   const char* call = "transfer_prepped_sync";
   try {
     if (!ready()) return fail(kFailed, std::string(call) + ": engine is not initialized");
-    if (timeout_ms <= 0) return fail(kParamInvalid, std::string(call) + ": timeout_in_millis must be > 0");
+    if (timeout_ms <= 0)
+      return refuse(Metrics::Refused::kParam,
+                    fail(kParamInvalid, std::string(call) + ": timeout_in_millis must be > 0"));
     if (int rc = submit_checks(op, flag, call); rc != kSuccess) return rc;
-    auto deadline = Clock::now() + milliseconds(timeout_ms);
+    const auto deadline = Clock::now() + milliseconds(timeout_ms);
     std::shared_ptr<Link> link;
     std::vector<rdma::Desc>& rd = scratch();
     if (int rc = build_prepped(op, local_list, local_idx, remote_list, remote_idx, n, timeout_ms, call, &link, &rd);
@@ -461,7 +505,10 @@ int Engine::send_notify(const std::string& remote, const std::string& name, cons
       if (went_down) return fail(kNotifyFailed, "send_notify to " + *key + ": the link closed before the peer acknowledged");
       return fail(kTimeout, "send_notify to " + *key + ": no acknowledgement within " + std::to_string(timeout_ms) + " ms");
     }
-    if (ack->status == kSuccess) return ok();
+    if (ack->status == kSuccess) {
+      metrics_.notify_sent();
+      return ok();
+    }
     return fail(known_code(ack->status) ? int(ack->status) : kNotifyFailed,
                 "send_notify to " + *key + ": the peer refused the notify" +
                     (ack->status == kResourceExhausted ? " (4096 unread notifies pending there)" : ""));
@@ -485,6 +532,34 @@ std::pair<int, std::vector<Notify>> Engine::get_notifies() {
 std::pair<int, std::vector<FlagEvent>> Engine::poll_flags(size_t max) {
   if (!ready()) return {fail(kFailed, "poll_flags: engine is not initialized"), {}};
   return {ok(), inbox_.poll_flags(max)};
+}
+
+int Engine::fail_flag(const std::string& remote, uint32_t value, const std::string& reason, int timeout_ms) {
+  try {
+    if (!ready()) return fail(kFailed, "fail_flag: engine is not initialized");
+    if (timeout_ms <= 0) return fail(kParamInvalid, "fail_flag: timeout_in_millis must be > 0");
+    auto key = canonical(remote);
+    if (!key) return fail(kParamInvalid, "fail_flag: \"" + remote + "\" is not an engine address");
+    auto link = links_.find(*key);
+    if (!link) return fail(kNotConnected, "fail_flag: not connected to " + *key);
+    wire::Control f;
+    f.type = wire::FrameType::kFlagFailed;
+    f.status = value;
+    f.text = reason.substr(0, kMaxNotifyBytes);
+    try {
+      link->send(f, Clock::now() + milliseconds(timeout_ms));
+    } catch (const Error& e) {
+      return fail(e.err() == ETIMEDOUT ? kTimeout : kFailed, "fail_flag to " + *key + ": " + e.what());
+    }
+    return ok();
+  } catch (const std::exception& e) {
+    return fail(kFailed, "fail_flag(" + remote + "): " + e.what());
+  }
+}
+
+std::pair<int, std::vector<FlagFailure>> Engine::poll_flag_failures(size_t max) {
+  if (!ready()) return {fail(kFailed, "poll_flag_failures: engine is not initialized"), {}};
+  return {ok(), inbox_.poll_failures(max)};
 }
 
 std::pair<int, std::vector<FlagEvent>> Engine::wait_flags(size_t max, int timeout_ms) {

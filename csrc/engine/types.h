@@ -89,6 +89,14 @@ struct FlagEvent {
 };
 constexpr size_t kMaxPendingFlags = 1u << 20;  // beyond that, flags are dropped with an error logged
 
+// A flag that will not come: the peer said so (fail_flag: value is the flag, reason the peer's), or
+// the link to the peer closed (value -1: none of its flags not yet seen will come; reason: why).
+struct FlagFailure {
+  std::string peer;
+  int64_t value = -1;
+  std::string reason;
+};
+
 struct LinkInfo {
   std::string remote;
   std::string transport;  // "rdma", "shm" or "tcp"

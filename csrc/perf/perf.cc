@@ -6,10 +6,7 @@
 #include <deque>
 #include <thread>
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <x86intrin.h>
-#endif
-
+#include "util/ticks.h"
 #include "verbs/error.h"
 
 namespace hixl::perf {
@@ -21,22 +18,10 @@ uint64_t ns_since(Clock::time_point t0) {
   return uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count());
 }
 
-// Per-iteration timestamps come from the CPU's cycle counter, as perftest's get_cycles(): a
-// steady_clock read is a clock_gettime() that costs ~20 ns on real hardware but ~1.7 us in a QEMU
-// TCG guest, whose clocksource is the emulated HPET; three of them per ping-pong iteration added
-// ~2.5 us to an 8 B half round trip there. Ticks are converted to ns with a rate measured against
-// steady_clock across the whole loop (two clock reads per loop).
-inline uint64_t ticks() {
-#if defined(__x86_64__) || defined(__i386__)
-  return __rdtsc();
-#elif defined(__aarch64__)
-  uint64_t v;
-  asm volatile("isb; mrs %0, cntvct_el0" : "=r"(v));
-  return v;
-#else
-  return uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count());
-#endif
-}
+// Per-iteration timestamps come from the CPU's cycle counter (util/ticks.h): three clock reads per
+// ping-pong iteration added ~2.5 us to an 8 B half round trip in the TCG guest. Ticks are converted
+// to ns with a rate measured against steady_clock across the whole loop (two clock reads per loop).
+using util::ticks;
 
 class TickRate {
  public:

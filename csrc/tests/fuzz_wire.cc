@@ -179,6 +179,7 @@ std::vector<wire::Control> controls() {
   c = {}; c.type = wire::FrameType::kAuthProof; c.proof.fill(0x33); v.push_back(c);
   c = {}; c.type = wire::FrameType::kPing; v.push_back(c);
   c = {}; c.type = wire::FrameType::kPong; v.push_back(c);
+  c = {}; c.type = wire::FrameType::kFlagFailed; c.status = 9; c.text = "why"; v.push_back(c);
   return v;
 }
 

@@ -17,6 +17,7 @@
 #include "engine/link_table.h"
 #include "engine/registry.h"
 #include "engine/requests.h"
+#include "util/ticks.h"
 #include "util/id_slab.h"
 
 using namespace hixl;
@@ -234,14 +235,51 @@ class FakePath final : public transport::DataPath {
   uint64_t next = 1;
 };
 
+void metrics() {
+  Metrics m;
+  // Durations in cycle-counter ticks (util/ticks.h).
+  auto microseconds = [](int64_t us) { return uint64_t(double(us) * 1000.0 / util::ns_per_tick()); };
+  m.transfer_ended(TransferOp::kRead, wire::Transport::kRdma, TransferStatus::kCompleted, 4096, 2, microseconds(7));
+  m.transfer_ended(TransferOp::kRead, wire::Transport::kRdma, TransferStatus::kFailed, 4096, 2, microseconds(30));
+  m.transfer_ended(TransferOp::kWrite, wire::Transport::kShm, TransferStatus::kTimeout, 8, 1, microseconds(60000000));
+  // WAITING is not an end:
+  m.transfer_ended(TransferOp::kWrite, wire::Transport::kShm, TransferStatus::kWaiting, 8, 1, microseconds(1));
+  m.transfer_ended(TransferOp::kWrite, wire::Transport::kNone, TransferStatus::kCompleted, 8, 1, microseconds(1));
+  m.link_closed(Metrics::Cause::kHeartbeat);
+  m.refused_code(kParamInvalid);
+  m.refused_code(kResourceExhausted);
+  m.refused_code(kTimeout);  // not a refusal
+  m.refused(Metrics::Refused::kAccess);
+  m.notify_sent();
+  const Metrics::Snapshot s = m.snapshot();
+  CHECK(s.transfers[0][0][0] == 1 && s.transfers[0][0][1] == 1 && s.transfers[1][1][2] == 1);
+  CHECK(s.bytes[0][0] == 4096);  // completed bytes only
+  CHECK(s.descriptors[0][0] == 4 && s.descriptors[1][1] == 1);
+  uint64_t writes = 0;
+  for (auto& per_status : s.transfers[1])
+    for (uint64_t v : per_status) writes += v;
+  CHECK(writes == 1);  // neither WAITING nor a link without a transport counted
+  CHECK(s.seconds_buckets[0][0] == 1 && s.seconds_buckets[0][2] == 1);  // 7 us <= 10 us; 30 us in (25, 50]
+  CHECK(s.seconds_buckets[1][Metrics::kBuckets.size()] == 1);          // 60 s: +Inf
+  CHECK(s.seconds_sum[0] > 36e-6 && s.seconds_sum[0] < 38e-6);
+  CHECK(s.links_closed[int(Metrics::Cause::kHeartbeat)] == 1);
+  CHECK(s.refused[int(Metrics::Refused::kParam)] == 1 && s.refused[int(Metrics::Refused::kLimit)] == 1 &&
+        s.refused[int(Metrics::Refused::kAccess)] == 1 && s.refused[int(Metrics::Refused::kRange)] == 0);
+  CHECK(s.notifies_sent == 1 && s.notifies_received == 0);
+  CHECK(std::string(Metrics::cause_name(int(Metrics::Cause::kAsyncEvent))) == "async_event");
+  CHECK(std::string(Metrics::refused_name(int(Metrics::Refused::kRange))) == "range");
+}
+
 void requests() {
-  Requests rq;
+  Metrics m;
+  Requests rq(m);
   auto link = make_link("10.0.0.2:5000", 1, true);
   auto path = std::make_shared<FakePath>();
   link->path = path;
+  link->transport = wire::Transport::kTcp;
   const auto never = Clock::time_point::max();
   const uint64_t p1 = path->submit(transport::Op::kWrite, {}, std::chrono::milliseconds(-1), {});
-  const uint64_t r1 = rq.add(link, p1, 42, 0, never);
+  const uint64_t r1 = rq.add(link, p1, 42, 0, never, {TransferOp::kWrite, 3, 300, util::ticks()});
   CHECK(rq.status(r1)->status == TransferStatus::kWaiting);
   CHECK(rq.path_of(r1).first == path && rq.path_of(r1).second == p1);
   auto all = rq.all(10, false);
@@ -251,6 +289,16 @@ void requests() {
   path->end(p1, TransferStatus::kCompleted);
   CHECK(rq.status(r1)->status == TransferStatus::kCompleted);
   CHECK(!rq.status(r1).has_value() && !rq.path_of(r1).first);
+  auto counted = [&] {  // the table's own counts (kept under its lock), as the engine merges them
+    Metrics::Snapshot s = m.snapshot();
+    rq.add_counts_to(&s);
+    return s;
+  };
+  {  // counted once, when reported: write over tcp, completed, its bytes and descriptors
+    const Metrics::Snapshot s = counted();
+    CHECK(s.transfers[1][2][0] == 1 && s.bytes[1][2] == 300 && s.descriptors[1][2] == 3);
+    CHECK(m.snapshot().transfers[1][2][0] == 0);  // not in Metrics' own atomics
+  }
   // A failure says why, when its link went down.
   const uint64_t r2 = rq.add(link, path->submit(transport::Op::kRead, {}, std::chrono::milliseconds(-1), {}), 0, 0, never);
   {
@@ -261,6 +309,7 @@ void requests() {
   path->close();
   auto f = rq.status(r2);
   CHECK(f->status == TransferStatus::kFailed && f->error.find("was closed: heartbeat") != std::string::npos);
+  CHECK(counted().transfers[1][2][1] == 1 && counted().bytes[1][2] == 300);  // failed: no bytes
   // Deadlines: one that ended in time is left alone; the others expire, their link is aborted once,
   // they stay WAITING until the abort ends, then TIMEOUT (confirmed) or FAILED (not).
   auto link2 = make_link("10.0.0.3:5000", 2, true);
@@ -377,6 +426,7 @@ int main() {
   inbox();
   link_table();
   handshakes();
+  metrics();
   requests();
   return report("test_engine_parts");
 }

@@ -99,6 +99,7 @@ std::vector<wire::Control> samples() {
   c = {}; c.type = wire::FrameType::kAuthProof; c.proof.fill(0x5a); c.proof[0] = 1; v.push_back(c);
   c = {}; c.type = wire::FrameType::kPing; v.push_back(c);
   c = {}; c.type = wire::FrameType::kPong; v.push_back(c);
+  c = {}; c.type = wire::FrameType::kFlagFailed; c.status = 42; c.text = "push failed: WR_FLUSH_ERR"; v.push_back(c);
   return v;
 }
 

@@ -110,6 +110,7 @@ std::vector<uint8_t> encode_control(const Control& c) {
     case FrameType::kBye: put_str(w, c.text); break;
     case FrameType::kAttach: w.u64(c.instance); put_str(w, c.name); w.u32(c.direction); w.u64(c.link); break;
     case FrameType::kFlag: w.u32(c.status); break;
+    case FrameType::kFlagFailed: w.u32(c.status); put_str(w, c.text); break;
     case FrameType::kAuthHello: w.u32(c.scheme); w.bytes(c.nonce.data(), c.nonce.size()); break;
     case FrameType::kAuthChallenge: w.bytes(c.nonce.data(), c.nonce.size()); break;
     case FrameType::kAuthProof: w.bytes(c.proof.data(), c.proof.size()); break;
@@ -176,6 +177,7 @@ Control parse_control(FrameType type, const uint8_t* payload, size_t len) {
       c.link = r.u64("link");
       break;
     case FrameType::kFlag: c.status = r.u32("flag"); break;
+    case FrameType::kFlagFailed: c.status = r.u32("flag"); c.text = get_str(r, kMaxText, "reason"); break;
     case FrameType::kAuthHello:
       c.scheme = r.u32("scheme");
       r.bytes(c.nonce.data(), c.nonce.size(), "nonce");

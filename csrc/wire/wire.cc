@@ -147,6 +147,7 @@ const char* frame_type_name(FrameType t) {
     case FrameType::kAuthProof: return "AuthProof";
     case FrameType::kPing: return "Ping";
     case FrameType::kPong: return "Pong";
+    case FrameType::kFlagFailed: return "FlagFailed";
   }
   return "?";
 }

@@ -28,9 +28,9 @@ enum class FrameType : uint16_t {
   kConnect = 4, kAccept = 5, kRefuse = 6, kNotify = 7, kNotifyAck = 8, kRegions = 9, kRegionsReq = 10,
   kAbort = 11, kAbortAck = 12, kBye = 13, kAttach = 14, kFlag = 15,
   kAuthHello = 16, kAuthChallenge = 17, kAuthProof = 18,
-  kPing = 19, kPong = 20,
+  kPing = 19, kPong = 20, kFlagFailed = 21,
 };
-constexpr FrameType kLastFrameType = FrameType::kPong;
+constexpr FrameType kLastFrameType = FrameType::kFlagFailed;
 
 // Access bits advertised for a region (independent of ibv_access_flags values).
 enum RegionAccess : uint32_t { kRemoteRead = 1, kRemoteWrite = 2 };

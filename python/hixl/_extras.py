@@ -2,7 +2,8 @@
 
 The core (``hixl.Hixl``, ``hixl.kv``, ``hixl.acl``, ``hixl.Endpoint``) needs numpy only; the tools and
 integrations need more, declared as extras in pyproject.toml: ``demo`` (the SmolLM2 demo: gguf,
-tokenizers, rich), ``bench`` (rich, matplotlib), ``proxy`` (aiohttp), ``vllm`` (the connector and model
+tokenizers, rich), ``bench`` (rich, matplotlib), ``proxy`` (aiohttp), ``metrics`` (prometheus-client: ``/metrics``
+of ``HixlMetricsPort``; ``Hixl.metrics()`` needs nothing), ``vllm`` (the connector and model
 export), ``test`` (pytest and what tier 1 runs).
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ EXTRA_OF = {
     "gguf": "demo", "tokenizers": "demo", "rich": "demo",
     "matplotlib": "bench",
     "aiohttp": "proxy",
+    "prometheus_client": "metrics",
     "vllm": "vllm", "torch": "vllm", "transformers": "vllm", "accelerate": "vllm", "safetensors": "vllm",
 }
 

@@ -18,6 +18,10 @@ Beyond CANN:
   only to peers that prove it too. A refused ``connect`` returns ``FAILED`` and ``last_error()``
   says "authentication ..."; the refusing side logs a warning with the peer's address;
 * :meth:`Hixl.get_transport` and :meth:`Hixl.get_link_info` tell what each link runs on;
+* :meth:`Hixl.metrics` returns the engine's counters (transfers, bytes, latency histogram, links,
+  links closed by cause, notifies, refusals; :mod:`hixl.metrics`); option ``HixlMetricsPort`` /
+  env ``HIXL_METRICS_PORT`` also serves them as Prometheus ``/metrics`` on the engine's host
+  (port 0: a free one, see :attr:`Hixl.metrics_address`);
 * regions registered after a peer connected become visible to it on its next transfer.
 """
 from __future__ import annotations
@@ -33,8 +37,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from . import _core
+from . import metrics as _metrics
 from .connect_pool import ConnectPool
 from .descs import as_desc_array, as_u64_vector
+from .engine_signals import _DEFAULT_TIMEOUT_MS, _INT32_MAX, _U64_LIMIT, _U64_MAX, Signals, _int
 from .types import (
     FAILED,
     PARAM_INVALID,
@@ -48,7 +54,6 @@ from .types import (
     TransferOp,
     TransferResult,
     TransferStatus,
-    _as_u64,
     parse_engine_address,
     parse_options,
     validate_mem_desc,
@@ -58,18 +63,7 @@ from .types import (
 
 _log = logging.getLogger("hixl")
 
-_INT32_MAX = 2 ** 31 - 1
-_U64_MAX = 2 ** 64 - 1
-_U64_LIMIT = 2 ** 64
-_DEFAULT_TIMEOUT_MS = 1000
 _ACCESS = {"rw": 3, "ro": 1, "wo": 2, "none": 0}  # wire::RegionAccess bits: remote read 1, remote write 2
-
-
-def _int(v: Any, lo: int, hi: int) -> Optional[int]:
-    """``v`` as an int in [lo, hi] (0 <= lo), else None; bools (numpy's too) refused as in hixl.types."""
-    # ints and IntEnums are the common case (bool is an int subclass: refused like numpy's bools)
-    n = int(v) if isinstance(v, int) and not isinstance(v, bool) else _as_u64(v)
-    return n if n is not None and lo <= n <= hi else None
 
 
 _ENUM_VALUES: Dict[Any, frozenset] = {}
@@ -106,7 +100,7 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-class Hixl:
+class Hixl(Signals):
     """A hixl engine: register memory, connect to peers, READ/WRITE their memory, notify them.
 
     After ``fork()``, an engine of the parent is finalized in the child: every call there returns
@@ -123,12 +117,22 @@ class Hixl:
         self._good_remotes: set = set()
         self._tls = threading.local()  # last_error() is per thread, like the C++ engine's
         self._pool: Optional[ConnectPool] = None  # connect_async / disconnect_async
+        self._metrics_server: Optional[_metrics.Server] = None  # HixlMetricsPort
 
     # ------------------------------------------------------------------ helpers
     def _refuse(self, why: str) -> int:
         self._tls.last_error = "PARAM_INVALID: " + why
         _log.info("hixl: %s", self._tls.last_error)
         return PARAM_INVALID
+
+    def _refuse_transfer(self, why: str) -> int:
+        """A transfer refused here, before the engine saw it: counted as the engine's own refusals
+        (``hixl_refused_total{reason="param"}``)."""
+        try:
+            self._engine.count_refused("param")
+        except Exception:  # noqa: BLE001 (finalized: nothing to count in)
+            pass
+        return self._refuse(why)
 
     def _done(self, rc: int) -> int:
         self._tls.last_error = "" if rc == SUCCESS else self._engine.last_error()
@@ -224,6 +228,15 @@ class Hixl:
                 async_timeout_ms=-1 if p.async_timeout_ms is None else p.async_timeout_ms,
                 heartbeat_ms=-1 if p.heartbeat_ms is None else p.heartbeat_ms,
                 heartbeat_misses=-1 if p.heartbeat_misses is None else p.heartbeat_misses))
+            if rc == SUCCESS and p.metrics_port is not None:
+                try:
+                    self._metrics_server = _metrics.Server(self._read_metrics, host, p.metrics_port)
+                except Exception as e:  # asked for, so not silently without: the engine does not start
+                    self._engine.finalize()
+                    self._engine = _core.Engine()
+                    return self._failed("initialize", e)
+                _log.info("hixl: engine %s serves its metrics on http://%s/metrics", self._engine.local_engine,
+                          self._metrics_server.address)
             if rc == SUCCESS:
                 self._pid, self._name = os.getpid(), self._engine.local_engine
                 self._pool = ConnectPool(self._engine, p.connect_pool_threads, p.connect_pool_capacity)
@@ -236,6 +249,9 @@ class Hixl:
         try:
             self._finalized = True
             if not self._forked:  # in a forked child the parent's threads are not here to join
+                server, self._metrics_server = self._metrics_server, None
+                if server is not None:
+                    server.close()
                 pool, self._pool = self._pool, None
                 if pool is not None:
                     pool.close()
@@ -390,22 +406,22 @@ class Hixl:
             if self._finalized:
                 return FAILED
             if self._remote(remote_engine) is None:
-                return self._refuse("transfer_sync: bad remote_engine %r" % (remote_engine,))
+                return self._refuse_transfer("transfer_sync: bad remote_engine %r" % (remote_engine,))
             o = _enum(op, TransferOp)
             if o is None:
-                return self._refuse("transfer_sync: op %r is not a TransferOp" % (op,))
+                return self._refuse_transfer("transfer_sync: op %r is not a TransferOp" % (op,))
             arr = as_desc_array(op_descs) if isinstance(op_descs, np.ndarray) else None
             descs = arr if arr is not None else self._descs(op_descs)
             if descs is None:
-                return self._refuse("transfer_sync: op_descs must be a non-empty list of TransferOpDesc "
+                return self._refuse_transfer("transfer_sync: op_descs must be a non-empty list of TransferOpDesc "
                                     "with non-zero u64 addresses and len > 0, or a descriptor array "
                                     "((N, 3) u64 or hixl.DESC_DTYPE)")
             t = self._timeout(timeout_in_millis)
             if t is None:
-                return self._refuse("transfer_sync: timeout_in_millis %r must be in 1..2**31-1" % (timeout_in_millis,))
+                return self._refuse_transfer("transfer_sync: timeout_in_millis %r must be in 1..2**31-1" % (timeout_in_millis,))
             f = self._flag(flag, o)
             if f is None:
-                return self._refuse("transfer_sync: flag %r must be None or a u32, with op WRITE" % (flag,))
+                return self._refuse_transfer("transfer_sync: flag %r must be None or a u32, with op WRITE" % (flag,))
             if arr is not None:
                 return self._done(self._engine.transfer_sync_array(remote_engine, o, arr, t, f))
             return self._done(self._engine.transfer_sync(remote_engine, o, descs, t, f))
@@ -445,29 +461,29 @@ class Hixl:
             if self._finalized:
                 return FAILED, 0
             if self._remote(remote_engine) is None:
-                return self._refuse("transfer_async: bad remote_engine %r" % (remote_engine,)), 0
+                return self._refuse_transfer("transfer_async: bad remote_engine %r" % (remote_engine,)), 0
             o = _enum(op, TransferOp)
             if o is None:
-                return self._refuse("transfer_async: op %r is not a TransferOp" % (op,)), 0
+                return self._refuse_transfer("transfer_async: op %r is not a TransferOp" % (op,)), 0
             arr = as_desc_array(op_descs) if isinstance(op_descs, np.ndarray) else None
             descs = arr if arr is not None else self._descs(op_descs)
             if descs is None:
-                return self._refuse("transfer_async: op_descs must be a non-empty list of TransferOpDesc "
+                return self._refuse_transfer("transfer_async: op_descs must be a non-empty list of TransferOpDesc "
                                     "with non-zero u64 addresses and len > 0, or a descriptor array "
                                     "((N, 3) u64 or hixl.DESC_DTYPE)"), 0
             if args is None:
                 args = TransferArgs() if optional_args is None else optional_args  # optional_args: our old name
             ud = _int(getattr(args, "user_data", None), 0, _U64_MAX)
             if ud is None:
-                return self._refuse("transfer_async: user_data must be a u64"), 0
+                return self._refuse_transfer("transfer_async: user_data must be a u64"), 0
             f = self._flag(flag, o)
             if f is None:
-                return self._refuse("transfer_async: flag %r must be None or a u32, with op WRITE" % (flag,)), 0
+                return self._refuse_transfer("transfer_async: flag %r must be None or a u32, with op WRITE" % (flag,)), 0
             t = -1
             if timeout_in_millis is not None:
                 t = self._timeout(timeout_in_millis)
                 if t is None:
-                    return self._refuse("transfer_async: timeout_in_millis %r must be None or in 1..2**31-1"
+                    return self._refuse_transfer("transfer_async: timeout_in_millis %r must be None or in 1..2**31-1"
                                         % (timeout_in_millis,)), 0
             if arr is not None:
                 rc, req = self._engine.transfer_async_array(remote_engine, o, arr, ud, f, t)
@@ -526,26 +542,26 @@ class Hixl:
             return FAILED, 0
         o = _enum(op, TransferOp)
         if o is None:
-            return self._refuse("%s: op %r is not a TransferOp" % (name, op)), 0
+            return self._refuse_transfer("%s: op %r is not a TransferOp" % (name, op)), 0
         lh, rh = _int(local_descs, 1, _U64_MAX), _int(remote_descs, 1, _U64_MAX)
         if lh is None or rh is None:
-            return self._refuse("%s: local_descs and remote_descs must be prep_descs handles" % name), 0
+            return self._refuse_transfer("%s: local_descs and remote_descs must be prep_descs handles" % name), 0
         li, ri = as_u64_vector(local_idx), as_u64_vector(remote_idx)
         if li is None or ri is None or len(li) != len(ri):
-            return self._refuse("%s: local_idx and remote_idx must be equally long non-empty sequences of "
+            return self._refuse_transfer("%s: local_idx and remote_idx must be equally long non-empty sequences of "
                                 "non-negative ints" % name), 0
         f = self._flag(flag, o)
         if f is None:
-            return self._refuse("%s: flag %r must be None or a u32, with op WRITE" % (name, flag)), 0
+            return self._refuse_transfer("%s: flag %r must be None or a u32, with op WRITE" % (name, flag)), 0
         if sync:
             t = self._timeout(_DEFAULT_TIMEOUT_MS if timeout is None else timeout)
         else:
             t = -1 if timeout is None else self._timeout(timeout)
         if t is None:
-            return self._refuse("%s: timeout_in_millis %r must be in 1..2**31-1" % (name, timeout)), 0
+            return self._refuse_transfer("%s: timeout_in_millis %r must be in 1..2**31-1" % (name, timeout)), 0
         ud = _int(user_data, 0, _U64_MAX)
         if ud is None:
-            return self._refuse("%s: user_data must be a u64" % name), 0
+            return self._refuse_transfer("%s: user_data must be a u64" % name), 0
         rc, req = self._engine.transfer_prepped(o, lh, li, rh, ri, sync, t, ud, f)
         return self._done(rc), req
 
@@ -668,42 +684,6 @@ class Hixl:
             return self._done(rc), [NotifyDesc(name=n, notify_msg=m) for n, m in rows]
         except Exception as e:
             return self._failed("wait_notifies", e), []
-
-    def poll_flags(self, max_count: int = 4096) -> Tuple[int, List[Tuple[str, int]]]:
-        """Completion flags received so far (``(peer, value)``, oldest first); never blocks."""
-        try:
-            if self._finalized:
-                return FAILED, []
-            m = _int(max_count, 1, _U64_MAX)
-            if m is None:
-                return self._refuse("poll_flags: max_count must be a positive int"), []
-            rc, rows = self._engine.poll_flags(m)
-            return self._done(rc), list(rows)
-        except Exception as e:
-            return self._failed("poll_flags", e), []
-
-    def wait_flags(self, timeout_in_millis: Optional[int] = None,
-                   max_count: int = 4096) -> Tuple[int, List[Tuple[str, int]]]:
-        """Blocks (GIL released) until at least one completion flag is there or the timeout
-        (None: no limit) passes (then ``(SUCCESS, [])``)."""
-        try:
-            if self._finalized:
-                return FAILED, []
-            t, m = self._wait_ms(timeout_in_millis), _int(max_count, 1, _U64_MAX)
-            if t is None or m is None:
-                return self._refuse("wait_flags: timeout None or 0..2**31-1 ms, max_count a positive int"), []
-            rc, rows = self._engine.wait_flags(m, t)
-            return self._done(rc), list(rows)
-        except Exception as e:
-            return self._failed("wait_flags", e), []
-
-    def flag_fd(self) -> int:
-        """An eventfd that is readable while completion flags are pending (for select/poll/asyncio:
-        wait on it, then :meth:`poll_flags`); -1 when not initialized."""
-        try:
-            return -1 if self._finalized else int(self._engine.flag_fd)
-        except Exception:
-            return -1
 
     @property
     def local_engine(self) -> str:

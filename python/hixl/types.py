@@ -209,10 +209,12 @@ OPTION_HIXL_AUTH_TOKEN = "HixlAuthToken"
 OPTION_HIXL_ASYNC_TIMEOUT_MS = "HixlAsyncTimeoutMs"      # transfer_async deadline (default 60000; 0: none)
 OPTION_HIXL_HEARTBEAT_MS = "HixlHeartbeatMs"            # ping interval per link (default 1000; 0: none)
 OPTION_HIXL_HEARTBEAT_MISSES = "HixlHeartbeatMisses"    # silent intervals before a link is dead (default 10)
+OPTION_HIXL_METRICS_PORT = "HixlMetricsPort"            # serve /metrics on this port (0: a free one; hixl.metrics)
 
 TRANSPORTS = ("auto", "rdma", "shm", "tcp")
 ENV_TRANSPORT = "HIXL_TRANSPORT"
 ENV_AUTH_TOKEN = "HIXL_AUTH_TOKEN"
+ENV_METRICS_PORT = "HIXL_METRICS_PORT"
 MAX_AUTH_TOKEN_BYTES = 4096
 _REDACTED = "<redacted>"
 
@@ -221,7 +223,8 @@ _REDACTED = "<redacted>"
 CANN_OPTIONS = (OPTION_ENABLE_USE_FABRIC_MEM, OPTION_RDMA_TRAFFIC_CLASS, OPTION_RDMA_SERVICE_LEVEL,
                 OPTION_BUFFER_POOL, OPTION_GLOBAL_RESOURCE_CONFIG, OPTION_AUTO_CONNECT, OPTION_LOCAL_COMM_RES)
 HIXL_OPTIONS = (OPTION_HIXL_TRANSPORT, OPTION_HIXL_DEVICE, OPTION_HIXL_GID_INDEX, OPTION_HIXL_AUTH_TOKEN,
-                OPTION_HIXL_ASYNC_TIMEOUT_MS, OPTION_HIXL_HEARTBEAT_MS, OPTION_HIXL_HEARTBEAT_MISSES)
+                OPTION_HIXL_ASYNC_TIMEOUT_MS, OPTION_HIXL_HEARTBEAT_MS, OPTION_HIXL_HEARTBEAT_MISSES,
+                OPTION_HIXL_METRICS_PORT)
 ADXL_PREFIX = "adxl."
 # CANN reads the RDMA traffic class and service level from these when the option is absent (as we do).
 # Unlike CANN we keep 0/0 when neither is set: its 132/4 fit Ascend fabrics, not a generic RoCE network.
@@ -255,6 +258,7 @@ _INT_OPTIONS = {
     OPTION_HIXL_ASYNC_TIMEOUT_MS: ("async_timeout_ms", 0, 2 ** 31 - 1),
     OPTION_HIXL_HEARTBEAT_MS: ("heartbeat_ms", 0, 3600000),
     OPTION_HIXL_HEARTBEAT_MISSES: ("heartbeat_misses", 0, 1000),  # 0 is refused by initialize()
+    OPTION_HIXL_METRICS_PORT: ("metrics_port", 0, 65535),
 }
 _DECIMAL = re.compile(r"[0-9]+")
 _BUFFER_POOL = re.compile(r"([0-9]+):([0-9]+)")
@@ -279,6 +283,7 @@ class ParsedOptions:
     async_timeout_ms: Optional[int] = None
     heartbeat_ms: Optional[int] = None
     heartbeat_misses: Optional[int] = None
+    metrics_port: Optional[int] = None  # None: no /metrics served
     enable_use_fabric_mem: Optional[str] = None
     buffer_pool: Optional[str] = None
     global_resource_config: Optional[str] = None
@@ -450,6 +455,11 @@ def parse_options(options: Any) -> Tuple[int, ParsedOptions]:
             p.transport = t = _transport(env) or ""
             if not t:
                 return bad("%s=%r: expected one of %s" % (ENV_TRANSPORT, env, ", ".join(TRANSPORTS)))
+        env = os.environ.get(ENV_METRICS_PORT, "").strip()
+        if p.metrics_port is None and env:
+            p.metrics_port = _dec(env, 0, 65535)
+            if p.metrics_port is None:
+                return bad("%s=%r: expected an integer 0..65535" % (ENV_METRICS_PORT, env))
         env_token = os.environ.get(ENV_AUTH_TOKEN, "")
         if p.auth_token is None and env_token:
             p.auth_token, why = _auth_token(env_token, ENV_AUTH_TOKEN)
@@ -517,7 +527,8 @@ __all__ = [
     "OPTION_BUFFER_POOL", "OPTION_GLOBAL_RESOURCE_CONFIG", "OPTION_AUTO_CONNECT",
     "OPTION_LOCAL_COMM_RES", "OPTION_HIXL_TRANSPORT", "OPTION_HIXL_DEVICE",
     "OPTION_HIXL_GID_INDEX", "OPTION_HIXL_AUTH_TOKEN", "OPTION_HIXL_ASYNC_TIMEOUT_MS", "OPTION_HIXL_HEARTBEAT_MS",
-    "OPTION_HIXL_HEARTBEAT_MISSES", "TRANSPORTS", "ENV_TRANSPORT", "ENV_AUTH_TOKEN",
+    "OPTION_HIXL_HEARTBEAT_MISSES", "OPTION_HIXL_METRICS_PORT", "TRANSPORTS", "ENV_TRANSPORT", "ENV_AUTH_TOKEN",
+    "ENV_METRICS_PORT",
     "MAX_AUTH_TOKEN_BYTES", "ParsedOptions", "parse_options", "CANN_OPTIONS", "HIXL_OPTIONS", "ENV_RDMA_TC",
     "ENV_RDMA_SL", "GLOBAL_RESOURCE_FIELDS", "ADXL_PREFIX", "CONNECT_POOL_THREADS", "CONNECT_POOL_CAPACITY",
     "get_capability", "parse_engine_address",

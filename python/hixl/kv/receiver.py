@@ -201,9 +201,11 @@ class KVReceiver:
         self.free(request_id)
 
     def take_failed(self) -> Dict[str, str]:
-        """Slots that failed since the last call (request id -> why); they have no slot any more."""
+        """Slots that failed since the last call (request id -> why); they have no slot any more.
+        Besides failed pulls: pushes whose prefill failed them, or whose prefill's link closed."""
         self._reap_pulls()
         with self._cv:
+            self._take_failures_locked()
             out, self._failed = self._failed, {}
         return out
 
@@ -314,6 +316,44 @@ class KVReceiver:
         if flags:
             self._cv.notify_all()
 
+    def _take_failures_locked(self) -> None:
+        """Flags that will not come (the engine's flag failures): the prefill told us its push
+        failed (fail_flag), or the link to it closed. Each slot waiting on one ends failed at once,
+        with the prefill's reason, instead of at its own timeout."""
+        rc, failures = self.engine.poll_flag_failures()
+        if rc != SUCCESS or not failures:
+            return
+        for peer, ticket, reason in failures:
+            if ticket >= 0:
+                slot = self._by_ticket.get(int(ticket))
+                if slot is None or slot.complete:
+                    continue  # freed (and dropped) or complete meanwhile
+                if slot.grant.prefill and peer != slot.grant.prefill:
+                    _log.warning("kv: a failure for %r came from %s, not from %s: ignored",
+                                 slot.grant.request_id, peer, slot.grant.prefill)
+                    continue
+                self._fail_slot_locked(slot, reason)
+            else:  # the link closed: nothing more comes from that prefill
+                for slot in [s for s in self._by_ticket.values() if not s.complete and s.grant.prefill == peer]:
+                    self._fail_slot_locked(slot, f"the link to its prefill closed ({reason})")
+        self._cv.notify_all()
+
+    def _fail_slot_locked(self, slot: _Slot, why: str) -> None:
+        """The slot's flag will not come and its prefill writes no more (it told us after its last
+        transfer ended, or its link is gone): the slot ends now, its blocks go back."""
+        rid = slot.grant.request_id
+        self._by_ticket.pop(slot.grant.ticket, None)
+        if slot.freed:  # quarantined: no late write to wait for any more
+            self._quarantined -= 1
+        else:
+            if self._slots.get(rid) is slot:
+                del self._slots[rid]
+            self._pulls.pop(rid, None)
+            self._failed[rid] = why
+            _log.warning("kv: KV of request %r will not come: %s", rid, why)
+        slot.freed = True
+        self._release(slot)
+
     def _check(self, rc: int, call: str) -> None:
         if rc != SUCCESS:
             raise KVError(f"kv: {call} failed: {self.engine.last_error()}", rc)
@@ -335,6 +375,7 @@ class KVReceiver:
             self._cv.notify_all()
         self._check(rc, "wait_flags")
         self._dispatch_locked(flags)
+        self._take_failures_locked()
 
     def poll(self) -> List[str]:
         """Request ids whose KV became complete since the last poll()/wait_any(); never blocks.
@@ -345,6 +386,7 @@ class KVReceiver:
         with self._cv:
             self._check(rc, "poll_flags")
             self._dispatch_locked(flags)
+            self._take_failures_locked()
             out = list(self._completed)
             self._completed.clear()
         return out
@@ -365,13 +407,18 @@ class KVReceiver:
 
     def wait(self, request_id: str, timeout: Optional[float] = None, *, warm: bool = False) -> float:
         """Blocks until ``request_id``'s KV is complete (GIL released while waiting); raises
-        :class:`KVTimeout` after ``timeout`` seconds (None: no limit). Returns the time the flag
-        arrived (``time.monotonic()``). ``warm=True`` then touches every byte of the slot once."""
+        :class:`KVTimeout` after ``timeout`` seconds (None: no limit), :class:`TransferFailed` as soon
+        as the prefill says its push failed (``Hixl.fail_flag``, which :class:`KVSender` sends) or the
+        link to the grant's prefill closed, naming the reason. Returns the time the flag arrived
+        (``time.monotonic()``). ``warm=True`` then touches every byte of the slot once."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
             while True:
                 slot = self._slots.get(request_id)
                 if slot is None:
+                    why = self._failed.pop(request_id, None)
+                    if why is not None:  # its prefill failed it (or its link closed): at once, with the reason
+                        raise TransferFailed(f"kv: KV of request {request_id!r} will not come: {why}")
                     raise KVError(f"request {request_id!r} has no slot")
                 if slot.complete:
                     try:

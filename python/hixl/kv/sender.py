@@ -1,6 +1,7 @@
 """``KVSender``: the prefill side - local KV blocks pushed layer chunk by layer chunk to decoders."""
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -16,15 +17,19 @@ from .grant import Grant
 from .layout import BlockMemory, KVLayout, block_desc_array
 from .pool import KVPool
 
+_log = logging.getLogger("hixl.kv")
+
 
 class _Target:
-    __slots__ = ("grant", "memory", "remote", "js", "pushed", "flagged", "aux_slot")
+    __slots__ = ("grant", "memory", "remote", "js", "pushed", "flagged", "aux_slot", "failed", "fail_sent")
 
     def __init__(self, grant: Grant, memory: BlockMemory, js: range, aux_slot: Optional[int]):
         self.grant, self.memory, self.js = grant, memory, js
         self.remote = grant.request_blocks()  # the decoder's block of each request block j
         self.pushed: set = set()  # (layer, j) pairs sent
         self.flagged = False
+        self.failed: Optional[str] = None  # why a push to this target failed (the decoder is told: fail_flag)
+        self.fail_sent = False
         self.aux_slot = aux_slot  # our staging slot for this target's aux bytes (one per target: an
         # earlier target's aux transfer may still be reading its slot when a later one is staged);
         # None: the grant has no aux area (or our pool is wrapped memory without one)
@@ -314,10 +319,14 @@ class KVSender:
         now = time.monotonic()
         rc, req = self.engine.transfer_async(t.grant.decode, WRITE, descs, flag=flag)
         if rc != SUCCESS:
+            why = f"push of {what} to {t.grant.decode} failed: {self.engine.last_error()}"
             with self._cv:
                 self._inflight -= 1
-                r.errors.append(f"push of {what} to {t.grant.decode} failed: {self.engine.last_error()}")
+                r.errors.append(why)
+                t.failed = t.failed or why
+                tell = self._failures_to_send_locked(r)
                 self._cv.notify_all()
+            self._send_failures(request_id, tell)
             raise TransferFailed(f"kv: push of {request_id!r} {what} to {t.grant.decode} failed: "
                                  f"{self.engine.last_error()}", rc)
         with self._cv:
@@ -326,7 +335,7 @@ class KVSender:
             r.inflight += 1
             r.bytes += nbytes
             r.descs += len(descs)
-            self._queue.append((req, request_id, now))
+            self._queue.append((req, request_id, now, t))
             self._cv.notify_all()
         return nbytes
 
@@ -343,7 +352,7 @@ class KVSender:
                 self._cv.wait_for(lambda: self._queue or self._closed)
                 if not self._queue:
                     return
-                req, rid, t_sub = self._queue[0]
+                req, rid, t_sub, target = self._queue[0]
             err = None
             while True:
                 rc, st = self.engine.transfer_wait(req, 1000)
@@ -359,6 +368,7 @@ class KVSender:
                     err = f"transfer ended {TransferStatus(st).name}: {self.engine.last_error()}"
                 break
             t_done = time.monotonic()
+            tell: List[_Target] = []
             with self._cv:
                 self._queue.popleft()
                 self._inflight -= 1
@@ -368,7 +378,31 @@ class KVSender:
                     r.intervals.append((t_sub, t_done))
                     if err:
                         r.errors.append(err)
+                        target.failed = target.failed or f"push to {target.grant.decode} {err}"
+                    tell = self._failures_to_send_locked(r)
                 self._cv.notify_all()
+            self._send_failures(rid, tell)
+
+    def _failures_to_send_locked(self, r: _Request) -> List[_Target]:
+        """The targets whose push failed, once none of the request's transfers is in flight any
+        more (so none of its writes can land after the decoder is told); each is told once."""
+        if r.inflight:
+            return []
+        out = [t for t in r.targets if t.failed and not t.fail_sent]
+        for t in out:
+            t.fail_sent = True
+        return out
+
+    def _send_failures(self, request_id: str, targets: List[_Target]) -> None:
+        """Tell each decoder at once that its flag will not come (its wait ends with our reason
+        instead of its own timeout). Without a link the decoder learns from the link's end."""
+        for t in targets:
+            rc = self.engine.fail_flag(t.grant.decode, t.grant.ticket,
+                                       f"the prefill {self.engine.local_engine} failed request {request_id!r}: "
+                                       f"{t.failed}")
+            if rc != SUCCESS:
+                _log.info("kv: could not tell %s that request %r failed (%s); it learns from the link's end",
+                          t.grant.decode, request_id, self.engine.last_error())
 
     def flush(self, request_id: Optional[str] = None, timeout: Optional[float] = None) -> None:
         """Waits until the request's (or every) transfer ended; raises :class:`TransferFailed` if one
