@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Two QEMU/TCG guests (virtme-ng, Debian 6.1 kernel) joined by a QEMU link on 127.0.0.1 (TCP
+# "stream" by default, UDP "dgram" optional); each runs Soft-RoCE rxe0 on its virtio-net NIC; guest.sh runs ib_write_bw phases.
+# Usage: ./two-vm.sh            (env: TV_TIMEOUT, TV_PHASES, TV_ITERS, TV_SIZE, TV_PHASE_T, TV_CPUS, TV_MEM)
+# Exit: 0 if both guests exit 0; else the first non-zero of A, B; 124 on total timeout.
+set -uo pipefail
+# The state dir (shared writable with both guests: sync files, logs, results); the guest script is
+# read from this repository (the guests see the host's root read-only).
+DIR="${TV_DIR:-/tmp/twovm}"
+GUEST_SH="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd -P)/guest.sh"
+KERNEL="${TV_KERNEL:-$(ls -1 /boot/vmlinuz-*-amd64 | sort -V | tail -n 1)}"
+TOTAL_T="${TV_TIMEOUT:-900}"; GRACE="${TV_GRACE:-60}"
+LINK="${TV_LINK:-stream}"   # dgram (UDP, lossy under host load) | stream (TCP, lossless)
+CPUS="${TV_CPUS:-1}"; MEM="${TV_MEM:-2G}"
+TV_VERBOSE="${TV_VERBOSE-1}"   # 1: guest kernel console in the log (set empty to disable)
+RUN="$(date +%Y%m%d-%H%M%S)"; ST="$DIR/state/$RUN"; mkdir -p "$ST"; DIR="$(cd "$DIR" && pwd -P)"; ST="$DIR/state/$RUN"
+ln -sfn "$ST" "$DIR/state/latest"
+VNG="$(command -v vng)"
+base=$(( 40000 + (RANDOM % 1000) * 2 )); PORT_A=$base; PORT_B=$((base + 1))
+log() { echo "[host $(date +%T)] $*" | tee -a "$ST/host.log"; }
+
+start_guest() {  # ROLE MAC LOCALPORT REMOTEPORT
+    local r=$1 mac=$2 lp=$3 rp=$4
+    local nd
+    case "$LINK" in
+      dgram)  nd="dgram,id=xn0,local.type=inet,local.host=127.0.0.1,local.port=$lp,remote.type=inet,remote.host=127.0.0.1,remote.port=$rp" ;;
+      stream) if [ "$r" = A ]; then nd="stream,id=xn0,server=on,addr.type=inet,addr.host=127.0.0.1,addr.port=$lp"
+              else nd="stream,id=xn0,server=off,addr.type=inet,addr.host=127.0.0.1,addr.port=$rp"; fi ;;
+    esac
+    local qo="-netdev $nd -device virtio-net-pci,netdev=xn0,mac=$mac"
+    # setsid: own process group (= this PID) so the whole vng+qemu tree can be killed at once
+    setsid timeout -k 15 "$TOTAL_T" "$VNG" --run "$KERNEL" --disable-kvm --disable-microvm \
+        --cpus "$CPUS" --memory "$MEM" --name "vm-$r" ${TV_VERBOSE:+--verbose} --rwdir "$DIR" --cwd "$DIR" \
+        --qemu-opts="$qo" \
+        --exec "env TV_PHASES='${TV_PHASES:-}' TV_ITERS='${TV_ITERS:-}' TV_SIZE='${TV_SIZE:-}' TV_PHASE_T='${TV_PHASE_T:-}' TV_DUR='${TV_DUR:-}' TV_TEST='${TV_TEST:-}' bash $GUEST_SH $r $ST" \
+        </dev/null >>"$ST/$r-console.log" 2>&1 &   # >>: qemu reopens fd 1 via /proc/self/fd/1 without O_APPEND
+    PID[$r]=$!   # no $(...): the guest must stay a child of this shell for wait
+}
+log "run $ST kernel=$KERNEL cpus=$CPUS mem=$MEM link=$LINK 127.0.0.1:$PORT_A<->$PORT_B timeout=${TOTAL_T}s"
+t0=$(date +%s)
+declare -A PID=() RC=()
+start_guest A 52:54:00:88:00:01 "$PORT_A" "$PORT_B"
+if [ "$LINK" = stream ]; then  # QEMU 7.2 stream client does not retry: wait for A's listener
+    for _ in $(seq 1 100); do ss -ltn | grep -q "127.0.0.1:$PORT_A " && break; sleep 0.2; done
+fi
+start_guest B 52:54:00:88:00:02 "$PORT_B" "$PORT_A"
+first=""; deadline=""
+while [ "${#RC[@]}" -lt 2 ]; do
+    for r in A B; do
+        [ -n "${RC[$r]+x}" ] && continue
+        if ! kill -0 "${PID[$r]}" 2>/dev/null; then
+            wait "${PID[$r]}"; RC[$r]=$?
+            log "guest $r exited rc=${RC[$r]} after $(( $(date +%s) - t0 ))s"
+            touch "$ST/$r.dead"   # lets the other guest's wait loops give up early
+            if [ -z "$first" ]; then
+                first=$r
+                g=$GRACE; [ "${RC[$r]}" -eq 0 ] || g=30
+                deadline=$(( $(date +%s) + g ))
+            fi
+        fi
+    done
+    if [ -n "$deadline" ] && [ "${#RC[@]}" -lt 2 ] && [ "$(date +%s)" -ge "$deadline" ]; then
+        for r in A B; do
+            [ -n "${RC[$r]+x}" ] && continue
+            log "killing guest $r (peer $first exited, grace over)"
+            kill -TERM -- "-${PID[$r]}" 2>/dev/null; sleep 5; kill -KILL -- "-${PID[$r]}" 2>/dev/null
+        done
+        deadline=""
+    fi
+    sleep 1
+done
+for r in A B; do
+    g="$(cat "$ST/$r.rc" 2>/dev/null || echo none)"
+    log "guest $r: vng rc=${RC[$r]} guest rc file=$g; userspace-up: $(grep -m1 -o 'userspace up (uptime [0-9.]*s)' "$ST/$r-console.log")"
+done
+log "results:"; cat "$ST/results.txt" 2>/dev/null | tee -a "$ST/host.log"
+rc=0
+for r in A B; do [ "${RC[$r]}" -ne 0 ] && { rc=${RC[$r]}; break; }; done
+log "total $(( $(date +%s) - t0 ))s, exit $rc"
+exit "$rc"
