@@ -132,6 +132,7 @@ void Engine::remove_link(const std::shared_ptr<Link>& link, const std::string& w
   if (cause != Metrics::Cause::kFinalize && cause != Metrics::Cause::kSuperseded)
     inbox_.push_failure({link->key, -1, "the link to " + link->key + " closed: " + why});
   if (link->path) link->path->close();  // rdma: QP -> ERR; shm/tcp: copies stopped, peer's requests refused
+  link->flush();                        // queued replies (an AbortAck), as far as the socket takes them
   link->ctrl.shutdown();
   wake();
   log::info("engine " + name_ + ": link to " + link->key + " closed: " + why);

@@ -44,7 +44,6 @@ void Engine::push_regions() {
 }
 
 void Engine::handle_frame(const std::shared_ptr<Link>& link, const wire::Control& c) {
-  auto until = Clock::now() + milliseconds(1000);
   switch (c.type) {
     case wire::FrameType::kNotify: {
       wire::Control ack;
@@ -52,7 +51,7 @@ void Engine::handle_frame(const std::shared_ptr<Link>& link, const wire::Control
       ack.seq = c.seq;
       ack.status = uint32_t(inbox_.offer_notify(link->key, c.name, c.text));  // too long: a hostile or broken peer
       if (ack.status == kSuccess) metrics_.notify_received();
-      link->send(ack, until);
+      link->post(ack);
       break;
     }
     case wire::FrameType::kNotifyAck:
@@ -68,7 +67,7 @@ void Engine::handle_frame(const std::shared_ptr<Link>& link, const wire::Control
       r.seq = c.seq;
       r.regions = registry_.regions(&r.version);
       r.extents = registry_.extents();
-      link->send(r, until);
+      link->post(r);
       break;
     }
     case wire::FrameType::kAbort: {
@@ -76,10 +75,7 @@ void Engine::handle_frame(const std::shared_ptr<Link>& link, const wire::Control
       wire::Control ack;
       ack.type = wire::FrameType::kAbortAck;
       ack.seq = c.seq;
-      try {
-        link->send(ack, until);
-      } catch (const std::exception&) {
-      }
+      link->post(ack);  // written before the link goes (remove_link flushes what the socket takes)
       remove_link(link, "peer aborted the link: " + c.text, Metrics::Cause::kAbort);
       break;
     }
@@ -89,7 +85,7 @@ void Engine::handle_frame(const std::shared_ptr<Link>& link, const wire::Control
     case wire::FrameType::kPing: {
       wire::Control pong;
       pong.type = wire::FrameType::kPong;
-      link->send(pong, until);
+      link->post(pong);
       break;
     }
     case wire::FrameType::kPong: break;  // progress_loop() noted that the peer is alive
@@ -137,6 +133,19 @@ void Engine::close_if_frame_stuck(const std::shared_ptr<Link>& link, Clock::time
   remove_link(link, why, Metrics::Cause::kStuckFrame);
 }
 
+void Engine::close_if_not_reading(const std::shared_ptr<Link>& link, Clock::time_point now) {
+  const size_t queued = link->queued_reply_bytes();
+  if (!queued || link->is_down()) return;
+  const auto idle = std::chrono::duration_cast<milliseconds>(now - link->reply_progress());
+  if (queued <= kMaxQueuedReplyBytes && idle < kReplyStallBound) return;
+  const std::string why = "the peer stopped reading its control connection: " + std::to_string(queued) +
+                          " bytes of our replies queued, none written for " + std::to_string(idle.count()) +
+                          " ms (the bounds: " + std::to_string(kReplyStallBound.count()) + " ms, " +
+                          std::to_string(kMaxQueuedReplyBytes) + " bytes)";
+  log::warn("engine " + name_ + ": link to " + link->key + ": " + why + "; closing it");
+  remove_link(link, why, Metrics::Cause::kStalled);
+}
+
 void Engine::progress_loop() {
   std::vector<pollfd> pfds;
   std::vector<std::shared_ptr<Link>> polled;
@@ -144,16 +153,19 @@ void Engine::progress_loop() {
     pfds.clear();
     polled.clear();
     pfds.push_back({wake_fd_, POLLIN, 0});
+    // Asleep no longer than until the first incomplete frame's bound, or a reply queue's.
+    auto wait = milliseconds(1000);
+    auto wait_until = [&](Clock::time_point t) {
+      wait = std::min(wait, std::chrono::ceil<milliseconds>(std::max(t - Clock::now(), Clock::duration::zero())));
+    };
     for (auto& l : links_.all()) {
-      pfds.push_back({l->ctrl.fd(), POLLIN, 0});
+      // Replies queued (and no sender writing them): wake when the socket takes more.
+      const bool queued = l->queued_reply_bytes() > 0;
+      pfds.push_back({l->ctrl.fd(), short(POLLIN | (queued && !l->writing ? POLLOUT : 0)), 0});
+      if (l->rx.pending_bytes()) wait_until(l->rx_since + kFrameCompleteBound);
+      if (queued) wait_until(l->reply_progress() + kReplyStallBound);
       polled.push_back(std::move(l));
     }
-    // Asleep no longer than until the first incomplete frame's bound.
-    auto wait = milliseconds(1000);
-    for (auto& l : polled)
-      if (l->rx.pending_bytes())
-        wait = std::min(wait, std::chrono::ceil<milliseconds>(std::max(l->rx_since + kFrameCompleteBound - Clock::now(),
-                                                                       Clock::duration::zero())));
     int rc = ::poll(pfds.data(), pfds.size(), int(wait.count()));
     if (stop_) break;
     if (rc < 0) {
@@ -167,8 +179,12 @@ void Engine::progress_loop() {
     }
     const size_t base = 1;
     for (size_t i = 0; i < polled.size(); ++i) {
-      if (!pfds[base + i].revents) continue;
+      const short rev = pfds[base + i].revents;
+      if (!rev) continue;
       auto& link = polled[i];
+      if ((rev & POLLOUT) && !link->flush() && !link->is_down())
+        remove_link(link, "control connection lost: the peer's socket refused our replies", Metrics::Cause::kPeerClosed);
+      if (!(rev & (POLLIN | POLLERR | POLLHUP))) continue;
       try {
         read_control(link);
       } catch (const std::exception& e) {
@@ -177,14 +193,16 @@ void Engine::progress_loop() {
       }
     }
     const auto now = Clock::now();
-    for (auto& link : polled) close_if_frame_stuck(link, now);
+    for (auto& link : polled) {
+      close_if_frame_stuck(link, now);
+      close_if_not_reading(link, now);
+    }
   }
 }
 
 // ------------------------------------------------------------------------------ watchdog thread
-// Its own thread: a ping to a peer that stopped reading may block for up to one interval, and an
-// abort waits seconds for the peer's confirmation (that runs on a worker), neither of which may hold
-// up the progress thread's frames or anyone's handshake.
+// Its own thread: an abort waits seconds for the peer's confirmation (that runs on a worker), which
+// must not hold up the progress thread's frames or anyone's handshake. Pings are queued (link.h).
 void Engine::watchdog_loop() {
   const int hb = opts_.heartbeat_ms;
   const auto tick = milliseconds(hb > 0 ? std::clamp(hb / 4, 10, 100) : 100);
@@ -223,12 +241,10 @@ void Engine::heartbeat() {
     if (now - link->last_ping < milliseconds(hb)) continue;
     wire::Control ping;
     ping.type = wire::FrameType::kPing;
-    try {
-      // A peer that stopped reading: the send gives up after one interval and the link goes.
-      if (link->try_send(ping, now + milliseconds(hb))) link->last_ping = now;
-    } catch (const std::exception& e) {
-      log::info("engine " + name_ + ": heartbeat ping to " + link->key + ": " + e.what());
-    }
+    // Queued like a reply (never waited for): a peer that stopped reading is closed by the
+    // progress thread once nothing queued for it could be written for kReplyStallBound.
+    link->post(ping);
+    link->last_ping = now;
   }
 }
 

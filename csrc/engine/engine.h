@@ -29,12 +29,14 @@
 //                         (a prepared transfer re-resolving its lists)
 //   Link::send_mu of a link being published -> LinkTable::mu_, Link::mu of the link it replaces
 //                         (held across add_link(), so that the link's first frame is our READY)
+//   Link::send_mu      -> Link::out_mu (its queue of replies: written in order by whoever holds send_mu)
 // No lock is held across a network wait, except send_mu for one frame (bounded by its deadline).
 //
 // Threads: an acceptor accepts peers and hands each handshake to a worker thread of its own
 // (bounded by a deadline and by kMaxHandshakes); the progress thread serves the control connections,
-// reading each incrementally (a peer that stops in the middle of a frame holds up no other link);
-// the watchdog sends heartbeats and expires requests. The data path never involves the receiver's CPU.
+// reading each incrementally (a peer that stops in the middle of a frame holds up no other link) and
+// queueing its replies per link (a peer that stops reading holds up no other link: link.h);
+// the watchdog sends heartbeats (queued too) and expires requests. The data path never involves the receiver's CPU.
 //
 // Every public method returns a hixl status code (or a pair starting with one) and never throws.
 #pragma once
@@ -218,6 +220,8 @@ class Engine {
   void handle_frame(const std::shared_ptr<Link>& link, const wire::Control& c);
   // Closes the link when its incomplete control frame began more than kFrameCompleteBound ago.
   void close_if_frame_stuck(const std::shared_ptr<Link>& link, std::chrono::steady_clock::time_point now);
+  // Closes the link when the peer stopped reading our replies (link.h: kReplyStallBound, kMaxQueuedReplyBytes).
+  void close_if_not_reading(const std::shared_ptr<Link>& link, std::chrono::steady_clock::time_point now);
   // Every tick: the heartbeat (pings, links gone silent) and the async requests past their deadline.
   void watchdog_loop();
   void heartbeat();

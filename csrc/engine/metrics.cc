@@ -113,8 +113,8 @@ const char* Metrics::status_name(int s) {
   return s >= 0 && s < kStatuses ? k[s] : "?";
 }
 const char* Metrics::cause_name(int c) {
-  static const char* const k[] = {"disconnect", "peer_closed", "heartbeat",  "abort", "transfer_error",
-                                  "stuck_frame", "superseded", "finalize", "auth",  "async_event"};
+  static const char* const k[] = {"disconnect", "peer_closed", "heartbeat", "abort",     "transfer_error", "stuck_frame",
+                                  "stalled",    "superseded",  "finalize",  "auth",      "async_event"};
   static_assert(sizeof k / sizeof *k == size_t(Cause::kCount));
   return c >= 0 && c < int(Cause::kCount) ? k[c] : "?";
 }

@@ -42,6 +42,7 @@ class Metrics {
     kAbort,            // a link aborted (a transfer past its timeout; by us or by the peer)
     kTransferError,    // a transfer failed on the link (a work completion in error, a copy failing)
     kStuckFrame,       // a control frame left incomplete past its bound
+    kStalled,          // the peer stopped reading: our replies to it could not be written (link.h)
     kSuperseded,       // a newer connection from the same peer replaced it
     kFinalize,         // our finalize()
     kAuth,             // a handshake refused for authentication (no link was made)

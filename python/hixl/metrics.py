@@ -14,8 +14,9 @@ metric                                 type       labels / meaning
                                                   async: the status call that reported it)
 ``hixl_links``                         gauge      transport: links open now
 ``hixl_link_closed_total``             counter    cause: disconnect, peer_closed, heartbeat, abort,
-                                                  transfer_error, stuck_frame, superseded, finalize,
-                                                  auth (a peer refused for it), async_event
+                                                  transfer_error, stuck_frame, stalled (the peer
+                                                  stopped reading), superseded, finalize, auth (a
+                                                  peer refused for it), async_event
 ``hixl_notifies_total``                counter    direction: sent (acknowledged), received
 ``hixl_refused_total``                 counter    reason: range, access, limit, param: transfers refused
                                                   before anything was posted

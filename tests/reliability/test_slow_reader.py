@@ -1,0 +1,127 @@
+"""Reliability: a linked peer that stops reading its control connection (issue 18).
+
+The engine's one progress thread answers every link's frames (notify acks, pongs, region lists). Its
+replies go to a bounded per-link queue, written when the socket takes them: a peer that asks and
+never reads fills only its own queue. The other links' frames go on at once, and the silent reader's
+link is closed once none of its queue could be written for 5 s (link.h: kReplyStallBound), naming
+the cause; the old engine blocked the progress thread up to 1 s per reply, holding up every link.
+
+As in test_half_frame.py, the peer is a real engine behind a relay: once the link is up, the relay
+stops reading what the engine sends on that control connection and writes many region-list requests
+(each answered with the whole list: ~50 KB here) into it. rdma (rxe0 in the CI VM), shm and tcp.
+"""
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from hixl import SUCCESS, MemDesc, NotifyDesc
+from hixl import _core
+
+from .helpers import HDR, LOGS_WARN, MAGIC, TRANSPORTS, HalfFrameRelay
+from .helpers import engine as _engine, linked as _linked, until as _until
+
+REGIONS_REQ = 10     # wire.h
+N_REGIONS = 2000     # a's region list: ~48 KB (rdma, tcp) or ~96 KB (shm: memfd extents too)
+N_REQUESTS = 300     # ~15-30 MB of replies: more than both sockets' buffers hold
+STALL_BOUND_S = 0.5  # another link's notify round trip while the reader is stalled (old: up to 1 s)
+
+
+def _regions_req(seq: int) -> bytes:
+    return HDR.pack(MAGIC, _core.WIRE_VERSION, REGIONS_REQ, 8, 0) + struct.pack("<Q", seq)
+
+
+class StallRelay(HalfFrameRelay):
+    """A HalfFrameRelay that, once stalled, reads nothing more the target sends on the control
+    connection (the client's engine never sees it, as if its process stopped reading)."""
+
+    def __init__(self, target_port):
+        self.stalled = threading.Event()
+        super().__init__(target_port)
+
+    def pump(self, src, dst, sink=None):  # noqa: D102 (Relay.pump, made stallable)
+        """Forwards src to dst; a stream of frames (the control connection) is forwarded frame by
+        frame, so that a stall leaves the client with whole frames only (a half frame would have
+        its own engine close the link after 2 s, which is not what this test is about)."""
+        buf, framed = b"", None
+        try:
+            while True:
+                d = src.recv(65536)
+                if not d:
+                    break
+                if framed is None:
+                    framed = len(d) >= 4 and struct.unpack_from("<I", d)[0] == MAGIC
+                if not framed:
+                    dst.sendall(d)
+                    continue
+                buf += d
+                while len(buf) >= HDR.size and len(buf) >= HDR.size + HDR.unpack_from(buf)[3]:
+                    n = HDR.size + HDR.unpack_from(buf)[3]
+                    while self.stalled.is_set() and src is self.control and not self.stop.is_set():
+                        time.sleep(0.01)  # a whole frame is where the client's engine stops reading
+                    dst.sendall(buf[:n])
+                    buf = buf[n:]
+                    if self.stalled.is_set() and src is self.control:
+                        break
+                while self.stalled.is_set() and src is self.control and not self.stop.is_set():
+                    time.sleep(0.01)  # and nothing more is read from the target meanwhile
+        except OSError:
+            pass
+        try:
+            dst.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_peer_that_stops_reading_holds_up_no_other_link_and_its_link_is_closed(transport, capfd):
+    a, b, c = _engine(transport), _engine(transport), _engine(transport)
+    relay = StallRelay(int(a.local_engine.rsplit(":", 1)[1]))
+    buf = np.zeros(N_REGIONS * 4096, np.uint8)
+    try:
+        for i in range(N_REGIONS):  # a's region list, sent whole with every reply below
+            assert a.register_mem(MemDesc(buf.ctypes.data + 4096 * i, 4096))[0] == SUCCESS, a.last_error()
+        assert c.connect(a.local_engine, 20000) == SUCCESS, c.last_error()
+        via = "127.0.0.1:%d" % relay.port
+        assert b.connect(via, 20000) == SUCCESS, b.last_error()
+        _until(lambda: _linked(a, b.local_engine), 10, "a's end of the link to b")
+        assert b.send_notify(via, NotifyDesc("before", "x"), 10000) == SUCCESS, b.last_error()
+
+        relay.stalled.set()
+        relay.inject(b"".join(_regions_req(1000 + i) for i in range(N_REQUESTS)))
+        stalled = time.monotonic()
+        time.sleep(0.5)  # a has read the requests; its replies fill the sockets, then its queue
+        worst, rounds = 0.0, 0
+        while time.monotonic() - stalled < 3.5:  # well inside the 5 s bound: b's link is still up
+            t0 = time.monotonic()
+            assert c.send_notify(a.local_engine, NotifyDesc("n%d" % rounds, "m"), 10000) == SUCCESS, c.last_error()
+            assert a.send_notify(c.local_engine, NotifyDesc("back", "m"), 10000) == SUCCESS, a.last_error()
+            worst = max(worst, time.monotonic() - t0)
+            rounds += 1
+            a.get_notifies(), c.get_notifies()
+            time.sleep(0.02)
+        assert _linked(a, b.local_engine), "b's link closed before the bound"
+        assert worst < STALL_BOUND_S, "another link's notifies waited %.2f s behind the silent reader" % worst
+
+        # The silent reader's link goes, with the reason and its own cause; c's stays.
+        _until(lambda: not _linked(a, b.local_engine), 20, "a to close the link to the peer that stopped reading")
+        closed_after = time.monotonic() - stalled
+        assert 4.5 < closed_after < 20, closed_after
+        m = a.metrics()
+        stalled_count = [s["value"] for s in m["hixl_link_closed_total"] if s["labels"]["cause"] == "stalled"]
+        assert stalled_count == [1.0], m["hixl_link_closed_total"]
+        assert _linked(a, c.local_engine)
+        assert c.send_notify(a.local_engine, NotifyDesc("after", "m"), 10000) == SUCCESS, c.last_error()
+        if LOGS_WARN:
+            err = capfd.readouterr().err
+            assert "the peer stopped reading its control connection" in err, err[-2000:]
+    finally:
+        relay.stalled.clear()
+        relay.close()
+        for e in (b, c, a):
+            e.finalize()
