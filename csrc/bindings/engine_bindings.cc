@@ -234,6 +234,8 @@ void hixl_bind_engine(py::module_& m) {
           },
           py::arg("remote"))
       .def("peers", &Engine::peers, release())
+      .def("_inject_async_event", &Engine::inject_async_event, py::arg("type"), py::arg("qp_num"), py::arg("port"),
+           release())
       .def("count_refused",
            [](Engine& e, const std::string& reason) {
              for (int r = 0; r < int(Metrics::Refused::kCount); ++r)

@@ -124,6 +124,10 @@ int Engine::initialize(const std::string& local_engine, const Options& opts) {
     progress_ = std::thread([this] { progress_loop(); });
     watchdog_ = std::thread([this] { watchdog_loop(); });
     if (listener_.valid()) acceptor_ = std::thread([this] { accept_loop(); });
+    // The device's async events (a QP in error, the port down) end the affected links at once.
+    if (pd_) async_sub_ = pd_->context()->async_events().subscribe([this](const verbs::AsyncEvent& ev) {
+      on_async_event(ev);
+    });
     state_ = State::kReady;
     log::info("engine " + name_ + ": transports " + offers_string(offers_) +
               (pd_ ? " (rdma on " + pd_->context()->name() + ")" : " (no rdma: " + why_none + ")"));
@@ -145,6 +149,8 @@ void Engine::finalize() {
     links = links_.close();
     handshakes_.close();
   }
+  if (async_sub_) pd_->context()->async_events().unsubscribe(async_sub_);  // no handler runs after this
+  async_sub_ = 0;
   stop_ = true;
   inbox_.close();       // waiters for notifies and flags return
   wake();
@@ -281,6 +287,27 @@ std::pair<int, LinkInfo> Engine::link_info(const std::string& remote) {
 }
 
 std::vector<std::string> Engine::peers() { return links_.keys(); }
+
+void Engine::on_async_event(const verbs::AsyncEvent& ev) {
+  if (!ev.is_qp_error() && !(ev.is_port_error() && (ev.port == 0 || ev.port == 1))) return;  // we use port 1
+  const std::string why = "the RDMA device " + pd_->context()->name() + " reported " + ev.describe();
+  for (auto& link : links_.all()) {
+    if (!link->ep || (ev.is_qp_error() && link->ep->local_info().hello.qpn != ev.qp_num)) continue;
+    log::warn("engine " + name_ + ": link to " + link->key + ": " + why + "; closing it");
+    remove_link(link, why, Metrics::Cause::kAsyncEvent);
+  }
+}
+
+int Engine::inject_async_event(int type, uint32_t qp_num, int port) {
+  if (!ready()) return fail(kFailed, "inject_async_event: engine is not initialized");
+  if (!pd_) return fail(kUnsupported, "inject_async_event: this engine has no RDMA device");
+  verbs::AsyncEvent ev;
+  ev.type = ibv_event_type(type);
+  ev.qp_num = qp_num;
+  ev.port = port;
+  pd_->context()->async_events().dispatch(ev);
+  return ok();
+}
 
 Metrics::Snapshot Engine::metrics(std::array<uint64_t, Metrics::kTransports>* links) const {
   links->fill(0);

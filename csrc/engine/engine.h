@@ -136,8 +136,10 @@ class Engine {
   int flag_fd() const { return inbox_.flag_fd(); }
   // Flag failures: fail_flag tells a connected peer that flag `value` will not come, and why (its
   // poll_flag_failures returns it; reason: at most kMaxNotifyBytes, longer is cut). A link that
-  // closes (except by finalize) gives a failure with value -1: none of that peer's flags not yet
-  // seen will come over it. The flag eventfd and wait_flags wake for failures too.
+  // closes (except by finalize, or replaced by a new one) gives a failure with value -1: none of
+  // that peer's flags not yet seen will come over it. Opt-in: failures are kept from the first
+  // poll_flag_failures() call on; from then on the flag eventfd and wait_flags wake for them too
+  // (an engine whose user never asks behaves as before: no wake-up, nothing kept).
   int fail_flag(const std::string& remote, uint32_t value, const std::string& reason, int timeout_ms);
   std::pair<int, std::vector<FlagFailure>> poll_flag_failures(size_t max);
 
@@ -149,6 +151,9 @@ class Engine {
   std::string last_error() const;       // the reason behind the last non-SUCCESS status of this thread
   // The counters (metrics.h) and the links open now, by transport (rdma, shm, tcp).
   Metrics::Snapshot metrics(std::array<uint64_t, Metrics::kTransports>* links) const;
+  // Tests: hands an async event (ibv_event_type, QP number, port) to the engine's handler as if its
+  // device had reported it (kUnsupported without an RDMA device).
+  int inject_async_event(int type, uint32_t qp_num, int port);
   // A transfer refused before it reached the engine (the Python layer's argument checks).
   void count_refused(Metrics::Refused r) { metrics_.refused(r); }
 
@@ -210,6 +215,9 @@ class Engine {
   // True once the peer confirmed its queue pair is in the error state too.
   bool abort_link(const std::shared_ptr<Link>& link, const std::string& why);
 
+  // A QP error ends the link of that QP, a port or device error every RDMA link (engine.cc).
+  void on_async_event(const verbs::AsyncEvent& ev);
+
   // control.cc
   void push_regions();
   void progress_loop();
@@ -241,6 +249,7 @@ class Engine {
   const uint64_t instance_;      // random: tells this engine object apart from a restarted one
   std::string boot_id_;
   std::shared_ptr<verbs::ProtectionDomain> pd_;  // shared with every link's endpoint and the registry
+  uint64_t async_sub_ = 0;                        // our subscription to the device's async events
 
   // The parts (metrics_ first: Requests counts into it).
   Metrics metrics_;

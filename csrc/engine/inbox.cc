@@ -70,6 +70,7 @@ void Inbox::push_flag(const std::string& peer, uint32_t value) {
 
 void Inbox::push_failure(FlagFailure f) {
   std::lock_guard<std::mutex> g(flag_mu_);
+  if (!failures_wanted_) return;
   if (failures_.size() >= kMaxPendingFlags) {
     log::error("engine " + owner_ + ": " + std::to_string(failures_.size()) +
                " flag failures pending, nobody reads them: dropping one from " + f.peer + ": " + f.reason);
@@ -100,6 +101,7 @@ void Inbox::unsignal_locked() {
 
 std::vector<FlagFailure> Inbox::poll_failures(size_t max) {
   std::lock_guard<std::mutex> g(flag_mu_);
+  failures_wanted_ = true;
   std::vector<FlagFailure> out;
   while (!failures_.empty() && out.size() < max) {
     out.push_back(std::move(failures_.front()));

@@ -42,9 +42,10 @@ class Inbox {
   // Blocks up to timeout_ms (< 0: no limit) for a flag or a failure (*out holds the flags: it may be
   // empty when a failure woke it); false when the inbox was closed.
   bool wait_flags(size_t max, int timeout_ms, std::vector<FlagEvent>* out);
-  // A flag failure (bounded as flags are).
+  // A flag failure (bounded as flags are). Kept only once someone polled failures: until then they
+  // are dropped, so that a user who never reads them is neither woken by them nor holds them.
   void push_failure(FlagFailure f);
-  std::vector<FlagFailure> poll_failures(size_t max);
+  std::vector<FlagFailure> poll_failures(size_t max);  // the first call subscribes
 
   // The engine is finalizing: every waiter returns now, and every later wait at once.
   void close();
@@ -65,6 +66,7 @@ class Inbox {
   std::condition_variable flag_cv_;
   std::deque<FlagEvent> flags_;
   std::deque<FlagFailure> failures_;
+  bool failures_wanted_ = false;  // poll_failures() was called
   bool signalled_ = false;  // the eventfd's counter is > 0
   int flag_fd_ = -1;        // eventfd: counter > 0 exactly while flags_ or failures_ is not empty
 };

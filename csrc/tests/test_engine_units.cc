@@ -6,6 +6,7 @@
 
 #include "check.h"
 #include "engine/region_table.h"
+#include "verbs/async_events.h"
 #include "verbs/error.h"
 #include "wire/control.h"
 #include "wire/frame_reader.h"
@@ -341,8 +342,24 @@ void frame_reader() {
 
 }  // namespace
 
+// What the engine acts on, and how the event is named in the reason it gives.
+void async_event_names() {
+  using hixl::verbs::AsyncEvent;
+  AsyncEvent port{IBV_EVENT_PORT_ERR, 0, 1};
+  CHECK(port.is_port_error() && !port.is_qp_error());
+  CHECK(port.describe().rfind("IBV_EVENT_PORT_ERR", 0) == 0 && port.describe().find("on port 1") != std::string::npos);
+  AsyncEvent qp{IBV_EVENT_QP_FATAL, 0x2a, 0};
+  CHECK(qp.is_qp_error() && !qp.is_port_error());
+  CHECK(qp.describe().rfind("IBV_EVENT_QP_FATAL", 0) == 0 && qp.describe().find("on QP 0x2a") != std::string::npos);
+  AsyncEvent est{IBV_EVENT_COMM_EST, 7, 0};
+  CHECK(!est.is_qp_error() && !est.is_port_error());
+  AsyncEvent dev{IBV_EVENT_DEVICE_FATAL, 0, 0};
+  CHECK(dev.is_port_error());
+}
+
 int main() {
   region_table();
+  async_event_names();
   control_frames();
   frame_reader();
   return report("test_engine_units");

@@ -134,8 +134,15 @@ Context::Context(ibv_context* ctx, std::string name) : ctx_(ctx), name_(std::mov
 }
 
 Context::~Context() {
+  events_.reset();  // its reader reads ctx_'s async fd
   if (int rc = ibv_close_device(ctx_))
     log::warn(CallDesc("ibv_close_device").arg("device", name_).str() + " failed: " + errno_str(rc));
+}
+
+AsyncEvents& Context::async_events() {
+  std::lock_guard<std::mutex> g(events_mu_);
+  if (!events_) events_ = std::make_unique<AsyncEvents>(ctx_, name_);
+  return *events_;
 }
 
 std::shared_ptr<Context> Context::open(const std::string& requested) {

@@ -6,8 +6,11 @@
 #include <array>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
+
+#include "verbs/async_events.h"
 
 namespace hixl::verbs {
 
@@ -52,12 +55,16 @@ class Context {
   // Explicit index, else $HIXL_GID_INDEX, else a RoCEv2 IPv4-mapped GID, else RoCEv2, else index 0.
   int select_gid_index(uint8_t port, int requested = -1) const;
   Gid query_gid(uint8_t port, int index) const;
+  // The device's async events (started on first use; throws hixl::Error if the reader cannot start).
+  AsyncEvents& async_events();
 
  private:
   Context(ibv_context* ctx, std::string name);
   ibv_context* ctx_;
   std::string name_;
   ibv_device_attr attr_{};
+  std::mutex events_mu_;
+  std::unique_ptr<AsyncEvents> events_;  // stopped before the device is closed
 };
 
 // Owns an ibv_pd; keeps its Context alive.

@@ -48,8 +48,8 @@ class Signals:
     def wait_flags(self, timeout_in_millis: Optional[int] = None,
                    max_count: int = 4096) -> Tuple[int, List[Tuple[str, int]]]:
         """Blocks (GIL released) until at least one completion flag is there or the timeout
-        (None: no limit) passes (then ``(SUCCESS, [])``). A flag failure (:meth:`poll_flag_failures`)
-        pending also ends the wait, with the flags there are (possibly none)."""
+        (None: no limit) passes (then ``(SUCCESS, [])``). Once :meth:`poll_flag_failures` was called,
+        a flag failure pending also ends the wait, with the flags there are (possibly none)."""
         try:
             if self._finalized:
                 return FAILED, []
@@ -83,7 +83,9 @@ class Signals:
         """Flags that will not come, oldest first; never blocks: ``(peer, flag, reason)`` for a
         peer's :meth:`fail_flag`, and ``(peer, -1, reason)`` when the link to ``peer`` closed (none of
         its flags not yet seen will come over it; reason names why: heartbeat, peer closed, abort,
-        transfer error, ...)."""
+        transfer error, ...). Opt-in: the first call subscribes; failures are kept from then on, and
+        :meth:`wait_flags` and :meth:`flag_fd` then wake for them too (a user who never calls this
+        sees flags exactly as before)."""
         try:
             if self._finalized:
                 return FAILED, []
@@ -96,8 +98,8 @@ class Signals:
             return self._failed("poll_flag_failures", e), []
 
     def flag_fd(self) -> int:
-        """An eventfd that is readable while completion flags or flag failures are pending (for
-        select/poll/asyncio: wait on it, then :meth:`poll_flags` and :meth:`poll_flag_failures`);
+        """An eventfd that is readable while completion flags (and, once :meth:`poll_flag_failures`
+        was called, flag failures) are pending, for select/poll/asyncio: wait on it, then poll them;
         -1 when not initialized."""
         try:
             return -1 if self._finalized else int(self._engine.flag_fd)

@@ -52,6 +52,7 @@ class KVReceiver:
         elif pool.layout != layout:
             raise ValueError(f"KVReceiver: the pool's layout {pool.layout} is not {layout}")
         self.pool = pool
+        engine.poll_flag_failures()  # subscribes: flags that will not come end their slots at once
         self._failed: Dict[str, str] = {}  # request id -> why, not yet returned by take_failed()
         self._pulls: Dict[str, _Slot] = {}  # slots with a pull in flight
         self._cv = threading.Condition()
