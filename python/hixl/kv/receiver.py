@@ -335,7 +335,9 @@ class KVReceiver:
                     continue
                 self._fail_slot_locked(slot, reason)
             else:  # the link closed: nothing more comes from that prefill
-                for slot in [s for s in self._by_ticket.values() if not s.complete and s.grant.prefill == peer]:
+                # (a pull in flight on it fails by itself: _reap_pulls collects its request)
+                for slot in [s for s in self._by_ticket.values()
+                             if not s.complete and not s.pull and s.grant.prefill == peer]:
                     self._fail_slot_locked(slot, f"the link to its prefill closed ({reason})")
         self._cv.notify_all()
 
