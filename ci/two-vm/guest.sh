@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs INSIDE a guest (root). Usage: guest.sh A|B STATE_DIR
-# A = 192.168.88.1 (ib_write_bw server / receiver), B = 192.168.88.2 (client / sender).
+# A = 192.168.88.1 (ib_write_bw server / receiver), B = 192.168.88.2 (client / sender); with
+# TV_CMD_A / TV_CMD_B set, that role runs the command instead of the phases (cwd: TV_REPO).
 # Sync is via files in STATE_DIR (host dir shared with --rwdir). Only 192.168.88.0/24 is used.
 set -uo pipefail
 ROLE="$1"; ST="$2"
@@ -57,6 +58,18 @@ touch "$ST/$ROLE.up"
 [[ " ${TV_TEST:-} " == *" hang$ROLE "* ]] && { log "TEST: hanging on purpose"; sleep 100000; }
 wait_for "$ST/$PEER.up" 400 || finish 6
 busybox ping -c 3 -W 2 "$PEERIP" || { log "ERROR: ping $PEERIP failed"; finish 7; }
+
+# A command for this role (TV_CMD_A / TV_CMD_B): run it instead of the ib_write_bw phases, with the
+# link described in its environment; its exit status is the guest's.
+CMD_VAR="TV_CMD_$ROLE"
+if [ -n "${!CMD_VAR:-}" ]; then
+    export TV_ROLE="$ROLE" TV_ST="$ST" TV_NIC="$NIC" TV_MYIP="$MYIP" TV_PEERIP="$PEERIP" TV_GIDX="$GIDX"
+    export HIXL_DEVICE=rxe0 HIXL_GID_INDEX="$GIDX" PYTHONDONTWRITEBYTECODE=1 HOME=/root
+    [ -n "${TV_REPO:-}" ] && cd "$TV_REPO"
+    log "running: ${!CMD_VAR}"
+    bash -c "${!CMD_VAR}" </dev/null
+    finish $?
+fi
 
 HWC=/sys/class/infiniband/rxe0/ports/1/hw_counters
 hwc() { for f in "$HWC"/*; do echo "${f##*/}=$(cat "$f")"; done; }

@@ -19,6 +19,18 @@ VNG="$(command -v vng)"
 base=$(( 40000 + (RANDOM % 1000) * 2 )); PORT_A=$base; PORT_B=$((base + 1))
 log() { echo "[host $(date +%T)] $*" | tee -a "$ST/host.log"; }
 
+# What the guests get: the phase settings, the commands, the repository and its Python (the guest
+# sees the host's root read-only; PATH as here, so the same python3 runs there).
+ENV_FILE="$ST/guest-env.sh"
+{
+    echo '#!/usr/bin/env bash'
+    for v in TV_PHASES TV_ITERS TV_SIZE TV_PHASE_T TV_DUR TV_TEST TV_CMD_A TV_CMD_B TV_REPO PATH PYTHONPATH \
+             VIRTUAL_ENV HIXL_LOG_LEVEL PYTEST_DISABLE_PLUGIN_AUTOLOAD; do
+        [ -n "${!v+x}" ] && printf 'export %s=%q\n' "$v" "${!v}"
+    done
+    printf 'exec bash %q "$1" %q\n' "$GUEST_SH" "$ST"
+} > "$ENV_FILE"
+
 start_guest() {  # ROLE MAC LOCALPORT REMOTEPORT
     local r=$1 mac=$2 lp=$3 rp=$4
     local nd
@@ -32,7 +44,7 @@ start_guest() {  # ROLE MAC LOCALPORT REMOTEPORT
     setsid timeout -k 15 "$TOTAL_T" "$VNG" --run "$KERNEL" --disable-kvm --disable-microvm \
         --cpus "$CPUS" --memory "$MEM" --name "vm-$r" ${TV_VERBOSE:+--verbose} --rwdir "$DIR" --cwd "$DIR" \
         --qemu-opts="$qo" \
-        --exec "env TV_PHASES='${TV_PHASES:-}' TV_ITERS='${TV_ITERS:-}' TV_SIZE='${TV_SIZE:-}' TV_PHASE_T='${TV_PHASE_T:-}' TV_DUR='${TV_DUR:-}' TV_TEST='${TV_TEST:-}' bash $GUEST_SH $r $ST" \
+        --exec "bash $ENV_FILE $r" \
         </dev/null >>"$ST/$r-console.log" 2>&1 &   # >>: qemu reopens fd 1 via /proc/self/fd/1 without O_APPEND
     PID[$r]=$!   # no $(...): the guest must stay a child of this shell for wait
 }
@@ -46,13 +58,19 @@ fi
 start_guest B 52:54:00:88:00:02 "$PORT_B" "$PORT_A"
 first=""; deadline=""
 while [ "${#RC[@]}" -lt 2 ]; do
+    for r in A B; do  # a guest asked the host to remove the other one (a host that vanishes)
+        if [ -e "$ST/kill.$r" ] && [ -z "${RC[$r]+x}" ] && [ ! -e "$ST/killed.$r" ]; then
+            log "killing guest $r on request (kill.$r)"
+            kill -KILL -- "-${PID[$r]}" 2>/dev/null; touch "$ST/killed.$r"
+        fi
+    done
     for r in A B; do
         [ -n "${RC[$r]+x}" ] && continue
         if ! kill -0 "${PID[$r]}" 2>/dev/null; then
             wait "${PID[$r]}"; RC[$r]=$?
             log "guest $r exited rc=${RC[$r]} after $(( $(date +%s) - t0 ))s"
             touch "$ST/$r.dead"   # lets the other guest's wait loops give up early
-            if [ -z "$first" ]; then
+            if [ -z "$first" ] && [ ! -e "$ST/killed.$r" ]; then  # (a guest removed on request: no grace)
                 first=$r
                 g=$GRACE; [ "${RC[$r]}" -eq 0 ] || g=30
                 deadline=$(( $(date +%s) + g ))
@@ -75,6 +93,6 @@ for r in A B; do
 done
 log "results:"; cat "$ST/results.txt" 2>/dev/null | tee -a "$ST/host.log"
 rc=0
-for r in A B; do [ "${RC[$r]}" -ne 0 ] && { rc=${RC[$r]}; break; }; done
+for r in A B; do [ -e "$ST/killed.$r" ] || [ "${RC[$r]}" -eq 0 ] || { rc=${RC[$r]}; break; }; done
 log "total $(( $(date +%s) - t0 ))s, exit $rc"
 exit "$rc"
