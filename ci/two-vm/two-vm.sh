@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Two QEMU/TCG guests (virtme-ng, Debian 6.1 kernel) joined by a QEMU link on 127.0.0.1 (TCP
-# "stream" by default, UDP "dgram" optional); each runs Soft-RoCE rxe0 on its virtio-net NIC; guest.sh runs ib_write_bw phases.
-# Usage: ./two-vm.sh            (env: TV_TIMEOUT, TV_PHASES, TV_ITERS, TV_SIZE, TV_PHASE_T, TV_CPUS, TV_MEM)
-# Exit: 0 if both guests exit 0; else the first non-zero of A, B; 124 on total timeout.
+# "stream" by default, UDP "dgram" optional); each runs Soft-RoCE rxe0 on its virtio-net NIC; guest.sh
+# runs TV_CMD_A / TV_CMD_B in them (tier 4: tests/twohost), or else ib_write_bw phases.
+# Usage: ci/two-vm/two-vm.sh    (env: see ci/two-vm/README.md)
+# Exit: 0 if both guests exit 0 (a guest removed on request does not count); else the first non-zero
+# of A, B; 124 on total timeout.
 set -uo pipefail
 # The state dir (shared writable with both guests: sync files, logs, results); the guest script is
 # read from this repository (the guests see the host's root read-only).
