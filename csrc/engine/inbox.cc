@@ -57,6 +57,19 @@ void Inbox::wait_notifies(int timeout_ms) {
   wait_up_to(notify_cv_, lk, timeout_ms, [&] { return !notifies_.empty() || closed_; });
 }
 
+namespace {
+// Up to max entries from the front of q, oldest first.
+template <class T>
+std::vector<T> take_front(std::deque<T>& q, size_t max) {
+  std::vector<T> out;
+  while (!q.empty() && out.size() < max) {
+    out.push_back(std::move(q.front()));
+    q.pop_front();
+  }
+  return out;
+}
+}  // namespace
+
 void Inbox::push_flag(const std::string& peer, uint32_t value) {
   std::lock_guard<std::mutex> g(flag_mu_);
   if (flags_.size() >= kMaxPendingFlags) {
@@ -102,21 +115,13 @@ void Inbox::unsignal_locked() {
 std::vector<FlagFailure> Inbox::poll_failures(size_t max) {
   std::lock_guard<std::mutex> g(flag_mu_);
   failures_wanted_ = true;
-  std::vector<FlagFailure> out;
-  while (!failures_.empty() && out.size() < max) {
-    out.push_back(std::move(failures_.front()));
-    failures_.pop_front();
-  }
+  std::vector<FlagFailure> out = take_front(failures_, max);
   unsignal_locked();
   return out;
 }
 
 std::vector<FlagEvent> Inbox::take_flags_locked(size_t max) {
-  std::vector<FlagEvent> out;
-  while (!flags_.empty() && out.size() < max) {
-    out.push_back(std::move(flags_.front()));
-    flags_.pop_front();
-  }
+  std::vector<FlagEvent> out = take_front(flags_, max);
   unsignal_locked();
   return out;
 }

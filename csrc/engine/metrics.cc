@@ -41,14 +41,14 @@ int status_index(TransferStatus s) {
     default: return -1;
   }
 }
-}  // namespace
-
-Metrics::Metrics() : ns_per_tick_(util::ns_per_tick()) {}
 
 inline void bump(std::atomic<uint64_t>& c, uint64_t v) { c.fetch_add(v, kRelaxed); }
 inline void bump(uint64_t& c, uint64_t v) { c += v; }
 inline uint64_t read(const std::atomic<uint64_t>& c) { return c.load(kRelaxed); }
 inline uint64_t read(uint64_t c) { return c; }
+}  // namespace
+
+Metrics::Metrics() : ns_per_tick_(util::ns_per_tick()) {}
 
 template <class C>
 void Metrics::count(TransferCounts<C>* c, TransferOp op, wire::Transport t, TransferStatus status, uint64_t bytes,
@@ -88,11 +88,6 @@ void Metrics::TransferCounts<C>::add_to(Snapshot* s) const {
 template struct Metrics::TransferCounts<std::atomic<uint64_t>>;
 template struct Metrics::TransferCounts<uint64_t>;
 
-void Metrics::refused_code(int code) {
-  if (code == kParamInvalid) refused(Refused::kParam);
-  else if (code == kResourceExhausted) refused(Refused::kLimit);
-}
-
 Metrics::Snapshot Metrics::snapshot() const {
   Snapshot s;
   sync_.add_to(&s);
@@ -105,8 +100,7 @@ Metrics::Snapshot Metrics::snapshot() const {
 
 const char* Metrics::op_name(int op) { return op == 1 ? "write" : "read"; }
 const char* Metrics::transport_name(int t) {
-  static const char* const k[] = {"rdma", "shm", "tcp"};
-  return t >= 0 && t < kTransports ? k[t] : "?";
+  return t >= 0 && t < kTransports ? wire::transport_name(wire::Transport(t + 1)) : "?";
 }
 const char* Metrics::status_name(int s) {
   static const char* const k[] = {"completed", "failed", "timeout"};

@@ -95,15 +95,12 @@ class Metrics {
   void notify_sent() { notifies_sent_.fetch_add(1, std::memory_order_relaxed); }
   void notify_received() { notifies_received_.fetch_add(1, std::memory_order_relaxed); }
   void refused(Refused r) { refused_[int(r)].fetch_add(1, std::memory_order_relaxed); }
-  // The reason a refusal with status `code` counts under (kParamInvalid -> param,
-  // kResourceExhausted -> limit; others are not refusals and count nothing).
-  void refused_code(int code);
 
   // Everything but the parts' own counts (which LocalCounts::add_to() adds).
   Snapshot snapshot() const;
 
   static const char* op_name(int op);
-  static const char* transport_name(int t);
+  static const char* transport_name(int t);  // index t: wire::transport_name(Transport(t + 1))
   static const char* status_name(int s);
   static const char* cause_name(int c);
   static const char* refused_name(int r);

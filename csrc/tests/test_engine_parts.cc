@@ -246,9 +246,8 @@ void metrics() {
   m.transfer_ended(TransferOp::kWrite, wire::Transport::kShm, TransferStatus::kWaiting, 8, 1, microseconds(1));
   m.transfer_ended(TransferOp::kWrite, wire::Transport::kNone, TransferStatus::kCompleted, 8, 1, microseconds(1));
   m.link_closed(Metrics::Cause::kHeartbeat);
-  m.refused_code(kParamInvalid);
-  m.refused_code(kResourceExhausted);
-  m.refused_code(kTimeout);  // not a refusal
+  m.refused(Metrics::Refused::kParam);
+  m.refused(Metrics::Refused::kLimit);
   m.refused(Metrics::Refused::kAccess);
   m.notify_sent();
   const Metrics::Snapshot s = m.snapshot();

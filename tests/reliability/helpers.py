@@ -152,6 +152,11 @@ class Relay:
                 dst.sendall(d)
         except OSError:
             pass
+        Relay.end_input(dst)
+
+    @staticmethod
+    def end_input(dst):
+        """Ends dst's input (its peer reads EOF), if it is still connected."""
         try:
             dst.shutdown(socket.SHUT_WR)
         except OSError:
@@ -217,10 +222,7 @@ class HalfFrameRelay(Relay):
                         u.sendall(frame)
         except (OSError, EOFError):
             pass
-        try:
-            u.shutdown(socket.SHUT_WR)
-        except OSError:
-            pass
+        self.end_input(u)
 
     def inject(self, data):
         """Writes data to the target; from now on the client's own frames are dropped (see resume())."""

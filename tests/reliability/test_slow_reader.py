@@ -12,7 +12,6 @@ stops reading what the engine sends on that control connection and writes many r
 """
 from __future__ import annotations
 
-import socket
 import struct
 import threading
 import time
@@ -72,10 +71,7 @@ class StallRelay(HalfFrameRelay):
                     time.sleep(0.01)  # and nothing more is read from the target meanwhile
         except OSError:
             pass
-        try:
-            dst.shutdown(socket.SHUT_WR)
-        except OSError:
-            pass
+        self.end_input(dst)
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
