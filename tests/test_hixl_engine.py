@@ -4,6 +4,11 @@ Every test runs once per transport: `rdma` (marked `rdma`: rxe0 inside the CI VM
 `tcp` (on the host, no device needed). The engines live in this process unless a test needs a
 peer process; their control channels use loopback TCP. Every transfer is checked byte for byte,
 including the bytes around it.
+
+The same tests run across a real link in the two-host tier (tests/twohost/test_engine_suite.py sets
+REMOTE): there each Pair's engine `a` and its buffers live on the other host (tests/twohost/remote.py),
+engine `b` here on this host's address; shm, which cannot cross hosts, and the tests marked `onehost`
+(they make engines of their own on one host) are left out there.
 """
 from __future__ import annotations
 
@@ -26,6 +31,10 @@ from hixl import (ALREADY_CONNECTED, FAILED, NOT_CONNECTED, PARAM_INVALID, READ,
 
 TRANSPORTS = [pytest.param("rdma", marks=pytest.mark.rdma), "shm", "tcp"]
 _transport = "rdma"
+# The two-host tier's connection to the other host (tests/twohost/remote.Client) and this host's
+# address; None: everything on this host.
+REMOTE = None
+MYIP = "127.0.0.1"
 
 
 @pytest.fixture(params=TRANSPORTS, autouse=True)
@@ -47,11 +56,14 @@ def _addr(a: np.ndarray) -> int:
     return a.ctypes.data
 
 
-def _engine(options=None, listen=True):
+def _engine(options=None, listen=True, remote=False):
+    """An initialized engine on this host, or (remote, in the two-host tier) on the other one."""
     opts = {"HixlTransport": _transport}
     opts.update(options or {})
+    if remote and REMOTE is not None:
+        return REMOTE.engine(opts, listen)
     e = hixl.Hixl()
-    assert e.initialize("127.0.0.1:0" if listen else "127.0.0.1", opts) == SUCCESS, e.last_error()
+    assert e.initialize(MYIP + ":0" if listen else MYIP, opts) == SUCCESS, e.last_error()
     return e
 
 
@@ -66,6 +78,14 @@ def _wait_status(e, req, timeout_s=120.0):
         time.sleep(0.001)
 
 
+def _readable(fd, timeout_s):
+    """Whether engine a's descriptor fd (on a's host) becomes readable within timeout_s."""
+    if REMOTE is not None:
+        return REMOTE.readable(fd, timeout_s)
+    import select
+    return bool(select.select([fd], [], [], timeout_s)[0])
+
+
 def _until(pred, timeout_s=30.0, what="condition"):
     deadline = time.monotonic() + timeout_s
     while not pred():
@@ -74,12 +94,14 @@ def _until(pred, timeout_s=30.0, what="condition"):
 
 
 class Pair:
-    """Engine `a` listens and owns buffer `abuf`; engine `b` listens too, owns `bbuf` and connects to `a`."""
+    """Engine `a` listens and owns buffer `abuf`; engine `b` listens too, owns `bbuf` and connects to `a`.
+    In the two-host tier `a` and `abuf` (and a_zeros()'s buffers) live on the other host."""
 
     def __init__(self, size=8 * MiB, a_opts=None, b_opts=None):
-        self.a, self.b = _engine(a_opts), _engine(b_opts)
+        self._remote = []  # roots on a's host, released by close()
+        self.a, self.b = _engine(a_opts, remote=True), _engine(b_opts)
         rng = np.random.default_rng(20261202)
-        self.abuf = np.zeros(size, np.uint8)
+        self.abuf = self.a_zeros(size)
         self.bbuf = rng.integers(0, 256, size, dtype=np.uint8)
         rc, self.ha = self.a.register_mem(MemDesc(_addr(self.abuf), size), MemType.MEM_HOST)
         assert rc == SUCCESS, self.a.last_error()
@@ -87,9 +109,19 @@ class Pair:
         assert rc == SUCCESS, self.b.last_error()
         assert self.b.connect(self.a.local_engine, 10000) == SUCCESS, self.b.last_error()
 
+    def a_zeros(self, n):
+        """n zero bytes on a's host."""
+        if REMOTE is None:
+            return np.zeros(n, np.uint8)
+        self._remote.append(REMOTE.zeros(n))
+        return self._remote[-1]
+
     def close(self):
         self.b.finalize()
         self.a.finalize()
+        if REMOTE is not None:  # a, its buffers and whatever the test derived from them
+            for root in (self.a, *self._remote):
+                REMOTE.release(root)
 
 
 @pytest.fixture
@@ -214,7 +246,7 @@ def test_unregistered_local_range_refused(pair):
 
 def test_regions_registered_after_connect_are_visible(pair):
     p = pair
-    late = np.zeros(64 * 1024, np.uint8)
+    late = p.a_zeros(64 * 1024)
     d = TransferOpDesc(_addr(p.bbuf), _addr(late) + 100, 1000)
     assert p.b.transfer_sync(p.a.local_engine, WRITE, [d], 5000) == PARAM_INVALID  # not registered yet
     rc, h = p.a.register_mem(MemDesc(_addr(late), late.size), MemType.MEM_HOST)
@@ -301,6 +333,7 @@ def test_notify_limits_and_backpressure(pair):
     assert p.b.get_notifies() == (SUCCESS, [NotifyDesc("back", "x")])
 
 
+@pytest.mark.onehost
 def test_auto_connect():
     a = _engine()
     c = _engine({"AutoConnect": "1"}, listen=False)  # client only
@@ -332,6 +365,7 @@ def test_auto_connect():
             e.finalize()
 
 
+@pytest.mark.onehost
 def test_connect_async_and_disconnect_async():
     a, b = _engine(), _engine()
     try:
@@ -393,7 +427,8 @@ def test_reconnect_in_a_tight_loop_each_link_works_at_once(pair):
     a_name, b_name = p.a.local_engine, p.b.local_engine
     page = 4096
     slots = p.abuf.size // page // 2
-    for i in range(200):
+    # Across the two-host tier's TCG link an rdma connect takes ~1 s: fewer rounds there.
+    for i in range(200 if REMOTE is None else 40):
         for _ in range(2):  # back to back, then once more with transfers on the link right away
             assert p.b.disconnect(a_name, 1000) == SUCCESS, (i, p.b.last_error())
             assert p.b.connect(a_name, 10000) == SUCCESS, (i, p.b.last_error())
@@ -501,6 +536,7 @@ def test_async_deadline_aborts_the_link_and_no_write_lands_afterwards():
         p.close()
 
 
+@pytest.mark.onehost
 def test_device_memory_from_the_acl_shim_and_options():
     from hixl import acl
     opts = {"RdmaTrafficClass": "32", "RdmaServiceLevel": "1", "BufferPool": "4:8", "LocalCommRes": "x"}
@@ -557,6 +593,7 @@ def test_concurrent_transfers_from_threads(pair):
     np.testing.assert_array_equal(p.abuf[:total], p.bbuf[:total])
 
 
+@pytest.mark.onehost
 def test_cann_style_example_runs():
     env = dict(os.environ, HIXL_TRANSPORT=_transport)
     out = subprocess.run([sys.executable, str(REPO / "examples" / "cann_style.py")], capture_output=True, text=True,
@@ -618,6 +655,7 @@ def test_requests_in_flight_when_the_peer_disconnects_end_failed_not_waiting(pai
     assert p.b.get_all_transfer_status() == (SUCCESS, [])
 
 
+@pytest.mark.onehost
 def test_target_killed_mid_transfer_gives_failed_within_the_timeout():
     size = 64 * MiB
     peer = subprocess.Popen([sys.executable, str(REPO / "tests" / "engine_peer.py"), _transport, str(size)],
@@ -706,15 +744,14 @@ def test_flag_on_a_sync_write_and_the_three_ways_to_wait(pair):
     assert a.wait_flags(200) == (SUCCESS, [])
     assert time.monotonic() - t0 >= 0.15
     # 2. the event fd: not readable, then readable once a flag is pending, not after poll_flags().
-    import select
     fd = a.flag_fd()
     assert fd >= 0
-    assert select.select([fd], [], [], 0)[0] == []
+    assert not _readable(fd, 0)
     assert p.b.transfer_sync(p.a.local_engine, WRITE, d, 10000, flag=2 ** 32 - 1) == SUCCESS, p.b.last_error()
-    assert select.select([fd], [], [], 10)[0] == [fd]
+    assert _readable(fd, 10)
     # 3. polling
     assert a.poll_flags() == (SUCCESS, [(name, 2 ** 32 - 1)])
-    assert select.select([fd], [], [], 0)[0] == []
+    assert not _readable(fd, 0)
     # blocking with no limit, woken by a write from another thread
     threading.Timer(0.2, lambda: p.b.transfer_sync(p.a.local_engine, WRITE, d, 10000, flag=5)).start()
     assert a.wait_flags(None) == (SUCCESS, [(name, 5)])
