@@ -539,7 +539,8 @@ def test_async_deadline_aborts_the_link_and_no_write_lands_afterwards():
 @pytest.mark.onehost
 def test_device_memory_from_the_acl_shim_and_options():
     from hixl import acl
-    opts = {"RdmaTrafficClass": "32", "RdmaServiceLevel": "1", "BufferPool": "4:8", "LocalCommRes": "x"}
+    opts = {"RdmaTrafficClass": "32", "RdmaServiceLevel": "1", "BufferPool": "4:8", "LocalCommRes": "x",
+            "HixlRdmaTimeout": "12", "HixlRdmaRetryCount": "5"}
     a, b = _engine(opts), _engine(opts)
     ptrs = []
     try:
@@ -558,6 +559,7 @@ def test_device_memory_from_the_acl_shim_and_options():
             assert rc == SUCCESS and info["transport"] == _transport
             if _transport == "rdma":
                 assert (info["traffic_class"], info["service_level"]) == (32, 1)
+                assert (info["rdma_timeout"], info["rdma_retry_count"]) == (12, 5)
         assert b.transfer_sync(a.local_engine, WRITE, [TransferOpDesc(pb, pa, size)], 30000) == SUCCESS
         host = np.zeros(size, np.uint8)
         assert acl.aclrtMemcpy(_addr(host), size, pa, size, acl.ACL_MEMCPY_DEVICE_TO_HOST) == acl.ACL_SUCCESS

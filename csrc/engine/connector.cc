@@ -28,6 +28,8 @@ std::shared_ptr<rdma::Endpoint> Engine::make_endpoint() const {
   o.gid_index = opts_.gid_index;
   if (opts_.traffic_class >= 0) o.traffic_class = uint8_t(opts_.traffic_class);
   if (opts_.service_level >= 0) o.service_level = uint8_t(opts_.service_level);
+  if (opts_.rdma_timeout > 0) o.timeout = uint8_t(opts_.rdma_timeout);
+  if (opts_.rdma_retry_count >= 0) o.retry_cnt = uint8_t(opts_.rdma_retry_count);
   return std::make_shared<rdma::Endpoint>(o);
 }
 

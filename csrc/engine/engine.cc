@@ -57,6 +57,10 @@ int Engine::initialize(const std::string& local_engine, const Options& opts) {
       return fail(kParamInvalid, "initialize: unknown transport \"" + opts.transport + "\"");
     if (opts.traffic_class > 255 || opts.service_level > 15 || opts.gid_index > 255)
       return fail(kParamInvalid, "initialize: traffic_class 0..255, service_level 0..15, gid_index 0..255");
+    if (opts.rdma_timeout == 0 || opts.rdma_timeout > 31 || opts.rdma_retry_count > 7)
+      return fail(kParamInvalid, "initialize: rdma_timeout=" + std::to_string(opts.rdma_timeout) +
+                                     " rdma_retry_count=" + std::to_string(opts.rdma_retry_count) +
+                                     ": need rdma_timeout 1..31 (0 would never retransmit), rdma_retry_count 0..7");
     if (opts.async_timeout_ms < 0 || opts.heartbeat_ms < 0 || opts.heartbeat_ms > 3600000 ||
         opts.heartbeat_misses < 1 || opts.heartbeat_misses > 1000)
       return fail(kParamInvalid, "initialize: async_timeout_ms=" + std::to_string(opts.async_timeout_ms) +
@@ -278,6 +282,8 @@ std::pair<int, LinkInfo> Engine::link_info(const std::string& remote) {
     li.remote_qpn = r ? r->qpn : 0;
     li.traffic_class = link->ep->options().traffic_class;
     li.service_level = link->ep->options().service_level;
+    li.rdma_timeout = link->ep->options().timeout;
+    li.rdma_retry_count = link->ep->options().retry_cnt;
   }
   {
     std::lock_guard<std::mutex> g(link->mu);

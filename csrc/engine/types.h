@@ -37,6 +37,12 @@ struct Options {
   int gid_index = -1;              // -1 -> $HIXL_GID_INDEX -> RoCEv2 IPv4-mapped
   int traffic_class = -1;          // GRH traffic class (-1 = default 0)
   int service_level = -1;          // SL (-1 = default 0)
+  // The RC queue pair's local ACK timeout, 4.096 us * 2^rdma_timeout (1..31; -1: 14, 67 ms; 0, "wait
+  // forever", is refused), and how often a send is retried before the QP fails (0..7; -1: 7). On a
+  // lossy fabric (RoCE without PFC, Soft-RoCE) every lost tail packet costs a full timeout: a smaller
+  // value recovers sooner, too small retries spuriously on a congested one.
+  int rdma_timeout = -1;
+  int rdma_retry_count = -1;
   bool auto_connect = false;
   int handshake_timeout_ms = 5000;  // an accepted peer must finish its handshake within this
   // transfer_async(): a request not complete this long after it was submitted ends (0: no deadline
@@ -106,6 +112,7 @@ struct LinkInfo {
   int path_mtu = 0;
   uint32_t qpn = 0, remote_qpn = 0;
   int traffic_class = 0, service_level = 0;  // as applied to the queue pair's address vector
+  int rdma_timeout = 0, rdma_retry_count = 0;  // as applied to the queue pair (RTS)
   size_t remote_regions = 0;
 };
 
