@@ -131,7 +131,13 @@ std::shared_ptr<ShmPath::View> ShmPath::mapped(uint64_t addr, uint64_t len, uint
 
 Result ShmPath::execute(Op op, const std::vector<Desc>& descs, Clock::time_point deadline) {
   const bool write = op == Op::kWrite;
-  thread_local std::vector<iovec> liov, riov;  // reused: no allocation per request
+  struct Iovs {
+    std::vector<iovec> l, r;
+  };
+  thread_local Iovs t_iovs;  // reused: no allocation per request
+  // One look-up of the thread's storage (each use of a thread_local in a shared object is a call).
+  std::vector<iovec>& liov = t_iovs.l;
+  std::vector<iovec>& riov = t_iovs.r;
   liov.clear();
   riov.clear();
   uint64_t batch_bytes = 0;
