@@ -214,6 +214,10 @@ class Engine {
   int submit_checks(TransferOp op, int64_t flag, const char* call);
   // True once the peer confirmed its queue pair is in the error state too.
   bool abort_link(const std::shared_ptr<Link>& link, const std::string& why);
+  // A transfer on the link failed: the link goes (cause transfer_error), unless an abort of it is under
+  // way, which closed the path itself and removes the link once the peer confirmed (removing it here
+  // closed the control connection before the confirmation could arrive: TIMEOUT became FAILED).
+  void transfer_failed(const std::shared_ptr<Link>& link, const std::string& why);
 
   // A QP error ends the link of that QP, a port or device error every RDMA link (engine.cc).
   void on_async_event(const verbs::AsyncEvent& ev);

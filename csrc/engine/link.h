@@ -82,9 +82,12 @@ class Link {
 
   // Heartbeat: when the progress thread last read a frame of the peer's (Clock ticks), and when the
   // watchdog last sent a Ping. aborting: the watchdog started an abort for an expired request.
+  // abort_begun: abort_link() began (an expired async request, a sync timeout); a transfer failing
+  // meanwhile leaves the link to that abort.
   std::atomic<Clock::rep> last_rx{0};
   Clock::time_point last_ping{};
   std::atomic<bool> aborting{false};
+  std::atomic<bool> abort_begun{false};
   std::atomic<bool> disconnecting{false};  // our disconnect() is ending it (a goodbye was sent)
   void heard() { last_rx = Clock::now().time_since_epoch().count(); }
   milliseconds silent_for(Clock::time_point now) const {

@@ -95,6 +95,7 @@ bool Engine::abort_link(const std::shared_ptr<Link>& link, const std::string& wh
   // 1. Our QP to ERR: nothing more leaves this side. 2. The peer moves its QP to ERR too, so packets
   // still in the network are dropped on arrival, and confirms. Only then may the caller say "no
   // write of this call lands later".
+  link->abort_begun = true;  // before the path closes: transfers failing from here on leave the link to us
   if (link->path) link->path->close();
   bool confirmed = false;
   uint64_t seq = link->expect();
@@ -112,6 +113,11 @@ bool Engine::abort_link(const std::shared_ptr<Link>& link, const std::string& wh
   }
   remove_link(link, why, Metrics::Cause::kAbort);
   return confirmed;
+}
+
+void Engine::transfer_failed(const std::shared_ptr<Link>& link, const std::string& why) {
+  if (link->abort_begun.load()) return;
+  remove_link(link, "transfer failed: " + why, Metrics::Cause::kTransferError);
 }
 
 int Engine::submit_checks(TransferOp op, int64_t flag, const char* call) {
@@ -154,7 +160,7 @@ int Engine::run_sync(const std::shared_ptr<Link>& link, TransferOp op, const std
     r = link->path->wait(id, left_until(deadline));
   } catch (const Error& e) {
     ended(TransferStatus::kFailed);
-    remove_link(link, std::string("transfer failed: ") + e.what(), Metrics::Cause::kTransferError);
+    transfer_failed(link, e.what());
     return fail(kFailed, std::string(call) + " to " + key + ": " + e.what());
   }
   if (r.status == TransferStatus::kCompleted) {
@@ -163,7 +169,7 @@ int Engine::run_sync(const std::shared_ptr<Link>& link, TransferOp op, const std
   }
   if (r.status == TransferStatus::kFailed) {
     ended(TransferStatus::kFailed);
-    remove_link(link, "transfer failed: " + r.error, Metrics::Cause::kTransferError);
+    transfer_failed(link, r.error);
     return fail(kFailed, std::string(call) + " to " + key + ": " + r.error);
   }
   const bool confirmed = abort_link(link, std::string(call) + " timed out after " + std::to_string(timeout_ms) + " ms");
@@ -191,7 +197,7 @@ std::pair<int, uint64_t> Engine::run_async(const std::shared_ptr<Link>& link, Tr
                      fail(kResourceExhausted, std::string(call) + " to " + link->key + ": " + e.what())),
               0};
     metrics_.transfer_ended(op, link->transport, TransferStatus::kFailed, 0, rd.size(), util::ticks() - t0);
-    remove_link(link, std::string("transfer failed: ") + e.what(), Metrics::Cause::kTransferError);
+    transfer_failed(link, e.what());
     return {fail(kFailed, std::string(call) + " to " + link->key + ": " + e.what()), 0};
   }
   const auto deadline = timeout_ms > 0 ? start + milliseconds(timeout_ms) : Clock::time_point::max();
