@@ -7,7 +7,8 @@ its own rxe0) and on tcp. What the user must see:
 * under loss, delay, reordering, duplication and corruption: every transfer either COMPLETED with
   every byte verified (read back and compared), or FAILED/TIMEOUT within its timeout; never a hang,
   never silent corruption; notifies likewise. The effective bandwidth under each fault is recorded
-  against the clean link ($TV_ST/faults.json, printed), with the goal >= 0.5x clean at 1 % loss on rdma;
+  against the clean link ($TV_ST/faults.json, printed), with the goal >= 0.5x clean at 1 % loss on rdma
+  (measured with the default ACK timeout, and once more on a second rdma engine with HixlRdmaTimeout=12);
 * the link down for 0.5 s: in-flight requests end (completed, or failed within their timeout); later
   transfers work, without a connect where the link survived, after one where it did not;
 * the link down past the heartbeat bound: the link is closed on both ends (A: the heartbeat; B: the
@@ -36,6 +37,8 @@ ST = os.environ.get("TV_ST", "")
 NIC = os.environ.get("TV_NIC", "")
 MYIP = os.environ.get("TV_MYIP", "192.168.88.2")
 TRANSPORTS = ("rdma", "tcp")
+SHORT_TIMEOUT = 12  # HixlRdmaTimeout of the extra rdma side: 4.096 us * 2^12 = 16 ms (default 14: 67 ms)
+SHORT = "rdma t=%d" % SHORT_TIMEOUT
 HEARTBEAT = {"HixlHeartbeatMs": "200", "HixlHeartbeatMisses": "10"}  # as peer.py: a dead link after 2 s
 MIB = 1 << 20
 TIMEOUT_MS = 20000  # each transfer's
@@ -96,11 +99,13 @@ def _until(pred, timeout_s: float, what: str) -> None:
 class Side:
     """B's engine for one transport, connected to A's, with a local buffer."""
 
-    def __init__(self, transport: str, peer: dict):
+    def __init__(self, transport: str, peer: dict, options=None):
         self.transport, self.remote = transport, peer[transport]["engine"]
         self.raddr, self.rlen = peer[transport]["addr"], peer[transport]["len"]
         self.e = hixl.Hixl()
-        assert self.e.initialize(MYIP, {"HixlTransport": transport, **HEARTBEAT}) == SUCCESS, self.e.last_error()
+        opts = {"HixlTransport": transport, **HEARTBEAT, **(options or {})}
+        # A second engine of B's on one of A's engines must listen: client-only ones are told apart by IP.
+        assert self.e.initialize(MYIP + (":0" if options else ""), opts) == SUCCESS, self.e.last_error()
         self.buf = np.zeros(32 * MIB, np.uint8)
         self.back = np.zeros(32 * MIB, np.uint8)
         for b in (self.buf, self.back):
@@ -160,6 +165,7 @@ class Side:
 def sides():
     peer = _peer()
     s = {t: Side(t, peer) for t in TRANSPORTS}
+    s[SHORT] = Side("rdma", peer, {"HixlRdmaTimeout": str(SHORT_TIMEOUT)})
     yield s
     for side in s.values():
         side.close()
@@ -175,7 +181,17 @@ def _check_ends(results, what):
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("fault", [f[0] for f in FAULTS])
 def test_under_each_fault_every_transfer_completes_verified_or_fails_in_time(sides, transport, fault):
-    side = sides[transport]
+    _under_fault(sides[transport], transport, fault)
+
+
+@pytest.mark.parametrize("fault", ["clean", "loss 1%"])
+def test_a_shorter_ack_timeout_recovers_sooner_from_loss(sides, fault):
+    """rdma with HixlRdmaTimeout=12 (16 ms instead of 67 ms): a loss rxe cannot recover by a NAK waits that
+    long. 12 is as low as rxe takes here: at 11 and below its QP died now and then (IBV_WC_REM_INV_REQ_ERR)."""
+    _under_fault(sides[SHORT], SHORT, fault)
+
+
+def _under_fault(side, transport, fault):
     args = dict(FAULTS)[fault]
     n, size = (2, MIB) if fault == "loss 10%" else (4, MIB)
     side.ensure_linked()
@@ -224,8 +240,8 @@ def _report() -> None:
             ratio = r["MiB_per_s"] / clean if clean else float("nan")
             r["vs_clean"] = ratio
             lines.append("%-6s %-18s %12.2f %10.2f  %s" % (t, name, r["MiB_per_s"], ratio, ",".join(r["statuses"])))
-            if t == "rdma" and name == "loss 1%":
-                goals.append({"goal": "rdma bandwidth at 1% loss >= 0.5x the clean link", "value": ratio,
+            if t.startswith("rdma") and name == "loss 1%":
+                goals.append({"goal": "%s bandwidth at 1%% loss >= 0.5x the clean link" % t, "value": ratio,
                               "met": ratio >= 0.5})
     text = "\n".join(lines + ["goal: %s: %s (%.2fx)" % (g["goal"], "met" if g["met"] else "MISSED", g["value"])
                               for g in goals])
