@@ -71,6 +71,9 @@ void Engine::handle_frame(const std::shared_ptr<Link>& link, const wire::Control
       break;
     }
     case wire::FrameType::kAbort: {
+      // Our own transfers on it fail once the path closes: they leave the link to this handler, which
+      // must post the confirmation before the link goes (see Engine::transfer_failed()).
+      link->abort_begun = true;
       if (link->path) link->path->close();  // our side stopped before we confirm: nothing more lands here
       wire::Control ack;
       ack.type = wire::FrameType::kAbortAck;

@@ -82,8 +82,8 @@ class Link {
 
   // Heartbeat: when the progress thread last read a frame of the peer's (Clock ticks), and when the
   // watchdog last sent a Ping. aborting: the watchdog started an abort for an expired request.
-  // abort_begun: abort_link() began (an expired async request, a sync timeout); a transfer failing
-  // meanwhile leaves the link to that abort.
+  // abort_begun: abort_link() began (an expired async request, a sync timeout), or the peer's Abort is
+  // being handled; a transfer failing meanwhile leaves the link to that abort.
   std::atomic<Clock::rep> last_rx{0};
   Clock::time_point last_ping{};
   std::atomic<bool> aborting{false};
