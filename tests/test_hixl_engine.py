@@ -99,15 +99,23 @@ class Pair:
 
     def __init__(self, size=8 * MiB, a_opts=None, b_opts=None):
         self._remote = []  # roots on a's host, released by close()
-        self.a, self.b = _engine(a_opts, remote=True), _engine(b_opts)
-        rng = np.random.default_rng(20261202)
-        self.abuf = self.a_zeros(size)
-        self.bbuf = rng.integers(0, 256, size, dtype=np.uint8)
-        rc, self.ha = self.a.register_mem(MemDesc(_addr(self.abuf), size), MemType.MEM_HOST)
-        assert rc == SUCCESS, self.a.last_error()
-        rc, self.hb = self.b.register_mem(MemDesc(_addr(self.bbuf), size), MemType.MEM_HOST)
-        assert rc == SUCCESS, self.b.last_error()
-        assert self.b.connect(self.a.local_engine, 10000) == SUCCESS, self.b.last_error()
+        self.a = _engine(a_opts, remote=True)
+        if REMOTE is not None:
+            self._remote.append(self.a)
+        self.b = None
+        try:
+            self.b = _engine(b_opts)
+            rng = np.random.default_rng(20261202)
+            self.abuf = self.a_zeros(size)
+            self.bbuf = rng.integers(0, 256, size, dtype=np.uint8)
+            rc, self.ha = self.a.register_mem(MemDesc(_addr(self.abuf), size), MemType.MEM_HOST)
+            assert rc == SUCCESS, self.a.last_error()
+            rc, self.hb = self.b.register_mem(MemDesc(_addr(self.bbuf), size), MemType.MEM_HOST)
+            assert rc == SUCCESS, self.b.last_error()
+            assert self.b.connect(self.a.local_engine, 10000) == SUCCESS, self.b.last_error()
+        except BaseException:
+            self.close()  # nothing left behind on a's host either
+            raise
 
     def a_zeros(self, n):
         """n zero bytes on a's host."""
@@ -117,11 +125,14 @@ class Pair:
         return self._remote[-1]
 
     def close(self):
-        self.b.finalize()
-        self.a.finalize()
-        if REMOTE is not None:  # a, its buffers and whatever the test derived from them
-            for root in (self.a, *self._remote):
-                REMOTE.release(root)
+        try:
+            if self.b is not None:
+                self.b.finalize()
+            self.a.finalize()
+        finally:
+            if REMOTE is not None:  # a, its buffers and whatever the test derived from them
+                for root in self._remote:
+                    REMOTE.release(root)
 
 
 @pytest.fixture
@@ -710,6 +721,13 @@ def test_flag_arrives_only_after_every_byte_of_the_earlier_requests(last):
     the async ones)."""
     chunk = 16 * MiB
     p = Pair(size=4 * chunk)
+    try:
+        _flags_after_bytes(p, chunk, last)
+    finally:
+        p.close()
+
+
+def _flags_after_bytes(p, chunk, last):
     for rnd in range(3):
         p.bbuf[:] = np.random.default_rng(rnd).integers(0, 256, p.bbuf.size, dtype=np.uint8)
         seen = {}
@@ -737,7 +755,6 @@ def test_flag_arrives_only_after_every_byte_of_the_earlier_requests(last):
         for req in reqs:
             assert p.b.transfer_wait(req, 20000) == (SUCCESS, TransferStatus.COMPLETED), p.b.last_error()
     assert p.a.poll_flags() == (SUCCESS, [])
-    p.close()
 
 
 def test_flag_on_a_sync_write_and_the_three_ways_to_wait(pair):

@@ -9,7 +9,7 @@ A result that pickles comes back as a value (ints, strings, tuples, dicts, hixl'
 arrays: a slice is a copy); anything else (a bound engine, ``ndarray.ctypes``) stays on A and comes back
 as another Proxy. Every object belongs to a *scope* (the root object it was created as, or derived
 from); ``Client.release(root)`` drops a scope's objects on A, so a test's 64 MiB buffers do not pile up.
-An exception on A is raised here (pickled, or as RemoteError with A's traceback).
+An exception on A is raised here (pickled, with A's traceback as its cause, or as RemoteError).
 
 Test scaffolding only: it trusts both ends (pickle) once the key is proven.
 """
@@ -34,7 +34,7 @@ class Server:
     """Serves objects to clients: engines made with ``engine()``, buffers with ``zeros()``."""
 
     def __init__(self, address: Tuple[str, int], authkey: bytes, myip: str):
-        self._listener = Listener(address, authkey=authkey)
+        self._listener = Listener(address, backlog=16, authkey=authkey)
         self.address = self._listener.address
         self._myip = myip
         self._mu = threading.Lock()
@@ -128,11 +128,11 @@ class Server:
                 try:
                     reply = self._handle(msg)
                 except BaseException as exc:  # noqa: BLE001 - every failure goes back to the caller
+                    tb = "%s: %s\n%s" % (type(exc).__name__, exc, traceback.format_exc())
                     try:
-                        reply = ("raise", pickle.dumps(exc))
+                        reply = ("raise", pickle.dumps(exc), tb)
                     except Exception:
-                        reply = ("raise", pickle.dumps(RemoteError("%s: %s\n%s" % (
-                            type(exc).__name__, exc, traceback.format_exc()))))
+                        reply = ("raise", pickle.dumps(RemoteError(tb)), tb)
                 try:
                     conn.send(reply)
                 except OSError:
@@ -161,8 +161,12 @@ class Client:
             return pickle.loads(reply[1])
         if kind == "ref":
             return Proxy(self, reply[1])
-        if kind == "raise":
-            raise pickle.loads(reply[1])
+        if kind == "raise":  # the exception as raised there (if it unpickles), A's traceback as its cause
+            try:
+                exc = pickle.loads(reply[1])
+            except Exception:
+                exc = RemoteError(reply[2])
+            raise exc from RemoteError(reply[2])
         return reply  # ("callable",)
 
     def engine(self, options: dict, listen: bool = True) -> "Proxy":
