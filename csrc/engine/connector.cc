@@ -134,7 +134,9 @@ void Engine::remove_link(const std::shared_ptr<Link>& link, const std::string& w
   if (cause != Metrics::Cause::kFinalize && cause != Metrics::Cause::kSuperseded)
     inbox_.push_failure({link->key, -1, "the link to " + link->key + " closed: " + why});
   if (link->path) link->path->close();  // rdma: QP -> ERR; shm/tcp: copies stopped, peer's requests refused
-  link->flush();                        // queued replies (an AbortAck), as far as the socket takes them
+  // Queued replies (an AbortAck), as far as the socket takes them; a sender holding the connection
+  // is waited for briefly (a sender's own frame has a deadline; the link is going anyway).
+  link->flush_before_close(Clock::now() + milliseconds(100));
   link->ctrl.shutdown();
   wake();
   log::info("engine " + name_ + ": link to " + link->key + " closed: " + why);

@@ -23,6 +23,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "engine/internal.h"
@@ -147,6 +148,24 @@ class Link {
     if (!g.owns_lock()) return true;
     std::lock_guard<std::mutex> q(out_mu);
     return drain_nonblocking_locked();
+  }
+  // The link's last words before its socket is shut down (an AbortAck): as flush(), but a sender
+  // holding the connection (the watchdog posting a ping, a user's notify) is waited for until
+  // `until`; flush() gives up at once, and the shutdown right after then dropped the queued reply
+  // (the peer's abort went unconfirmed: its transfers ended FAILED instead of TIMEOUT).
+  void flush_before_close(Clock::time_point until) {
+    for (;;) {
+      {
+        std::unique_lock<std::mutex> g(send_mu, std::try_to_lock);
+        if (g.owns_lock()) {
+          std::lock_guard<std::mutex> q(out_mu);
+          drain_nonblocking_locked();
+          return;
+        }
+      }
+      if (Clock::now() >= until) return;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
   }
   // Bytes of replies queued and not written, and since when none could be written (the progress
   // thread closes a link stalled past kReplyStallBound); `writing`: a sender holds the connection.
