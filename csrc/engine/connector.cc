@@ -136,7 +136,7 @@ void Engine::remove_link(const std::shared_ptr<Link>& link, const std::string& w
   if (link->path) link->path->close();  // rdma: QP -> ERR; shm/tcp: copies stopped, peer's requests refused
   // Queued replies (an AbortAck), as far as the socket takes them; a sender holding the connection
   // is waited for briefly (a sender's own frame has a deadline; the link is going anyway).
-  link->flush_before_close(Clock::now() + milliseconds(100));
+  link->flush(Clock::now() + milliseconds(100));
   link->ctrl.shutdown();
   wake();
   log::info("engine " + name_ + ": link to " + link->key + " closed: " + why);

@@ -143,27 +143,20 @@ class Link {
   }
   // Writes what the socket takes now, unless a sender holds the connection (it writes the queue
   // first). False when the connection failed (the socket is shut down: the link goes).
-  bool flush() {
-    std::unique_lock<std::mutex> g(send_mu, std::try_to_lock);
-    if (!g.owns_lock()) return true;
-    std::lock_guard<std::mutex> q(out_mu);
-    return drain_nonblocking_locked();
-  }
-  // The link's last words before its socket is shut down (an AbortAck): as flush(), but a sender
-  // holding the connection (the watchdog posting a ping, a user's notify) is waited for until
-  // `until`; flush() gives up at once, and the shutdown right after then dropped the queued reply
-  // (the peer's abort went unconfirmed: its transfers ended FAILED instead of TIMEOUT).
-  void flush_before_close(Clock::time_point until) {
+  // `wait_until`: a sender holding the connection (the watchdog posting a ping, a user's notify) is
+  // waited for until then, for a closing link's last reply (an AbortAck): the shutdown right after
+  // would drop what that sender has not written (the peer's abort went unconfirmed: its transfers
+  // ended FAILED instead of TIMEOUT). By default it is left to that sender.
+  bool flush(Clock::time_point wait_until = Clock::time_point::min()) {
     for (;;) {
       {
         std::unique_lock<std::mutex> g(send_mu, std::try_to_lock);
         if (g.owns_lock()) {
           std::lock_guard<std::mutex> q(out_mu);
-          drain_nonblocking_locked();
-          return;
+          return drain_nonblocking_locked();
         }
       }
-      if (Clock::now() >= until) return;
+      if (Clock::now() >= wait_until) return true;
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
   }

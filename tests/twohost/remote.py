@@ -86,7 +86,7 @@ class Server:
 
     def _reply(self, value, scope: int):
         """("value", v) when v pickles, else ("ref", id) with v kept in the caller's scope."""
-        if callable(value) and not isinstance(value, (type, np.ndarray)):
+        if callable(value) and not isinstance(value, type):
             return ("callable",)
         try:
             return ("value", pickle.dumps(value))

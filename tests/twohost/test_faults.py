@@ -99,13 +99,13 @@ def _until(pred, timeout_s: float, what: str) -> None:
 class Side:
     """B's engine for one transport, connected to A's, with a local buffer."""
 
-    def __init__(self, transport: str, peer: dict, options=None):
+    def __init__(self, transport: str, peer: dict, options=None, listen: bool = False):
         self.transport, self.remote = transport, peer[transport]["engine"]
         self.raddr, self.rlen = peer[transport]["addr"], peer[transport]["len"]
         self.e = hixl.Hixl()
         opts = {"HixlTransport": transport, **HEARTBEAT, **(options or {})}
         # A second engine of B's on one of A's engines must listen: client-only ones are told apart by IP.
-        assert self.e.initialize(MYIP + (":0" if options else ""), opts) == SUCCESS, self.e.last_error()
+        assert self.e.initialize(MYIP + (":0" if listen else ""), opts) == SUCCESS, self.e.last_error()
         self.buf = np.zeros(32 * MIB, np.uint8)
         self.back = np.zeros(32 * MIB, np.uint8)
         for b in (self.buf, self.back):
@@ -165,7 +165,7 @@ class Side:
 def sides():
     peer = _peer()
     s = {t: Side(t, peer) for t in TRANSPORTS}
-    s[SHORT] = Side("rdma", peer, {"HixlRdmaTimeout": str(SHORT_TIMEOUT)})
+    s[SHORT] = Side("rdma", peer, {"HixlRdmaTimeout": str(SHORT_TIMEOUT)}, listen=True)
     yield s
     for side in s.values():
         side.close()
