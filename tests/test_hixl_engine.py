@@ -6,8 +6,8 @@ peer process; their control channels use loopback TCP. Every transfer is checked
 including the bytes around it.
 
 The same tests run across a real link in the two-host tier (tests/twohost/test_engine_suite.py sets
-REMOTE): there each Pair's engine `a` and its buffers live on the other host (tests/twohost/remote.py),
-engine `b` here on this host's address; shm, which cannot cross hosts, and the tests marked `onehost`
+tests/engine_pair.HOSTS.remote): there each Pair's engine `a` and its buffers live on the other host
+(tests/twohost/remote.py), engine `b` here on this host's address; shm, which cannot cross hosts, and the tests marked `onehost`
 (they make engines of their own on one host) are left out there.
 """
 from __future__ import annotations
@@ -29,117 +29,10 @@ from hixl import (ALREADY_CONNECTED, FAILED, NOT_CONNECTED, PARAM_INVALID, READ,
                   TIMEOUT, WRITE, AsyncConnectStatus, GetTransferStatusArgs, MemDesc, MemType, NotifyDesc,
                   TransferArgs, TransferOpDesc, TransferStatus)
 
-TRANSPORTS = [pytest.param("rdma", marks=pytest.mark.rdma), "shm", "tcp"]
-_transport = "rdma"
-# The two-host tier's connection to the other host (tests/twohost/remote.Client) and this host's
-# address; None: everything on this host.
-REMOTE = None
-MYIP = "127.0.0.1"
+from tests.engine_pair import (HOSTS, MiB, Pair, _addr, _engine, _readable, _until, _wait_status,  # noqa: F401
+                               pair, transport, transport_name)
 
-
-@pytest.fixture(params=TRANSPORTS, autouse=True)
-def transport(request):
-    """Every test of this module runs once per transport; _engine() picks it up."""
-    global _transport
-    _transport = request.param
-    yield request.param
-
-MiB = 1 << 20
 REPO = Path(__file__).resolve().parents[1]
-
-
-def transport_name() -> str:
-    return _transport
-
-
-def _addr(a: np.ndarray) -> int:
-    return a.ctypes.data
-
-
-def _engine(options=None, listen=True, remote=False):
-    """An initialized engine on this host, or (remote, in the two-host tier) on the other one."""
-    opts = {"HixlTransport": _transport}
-    opts.update(options or {})
-    if remote and REMOTE is not None:
-        return REMOTE.engine(opts, listen)
-    e = hixl.Hixl()
-    assert e.initialize(MYIP + ":0" if listen else MYIP, opts) == SUCCESS, e.last_error()
-    return e
-
-
-def _wait_status(e, req, timeout_s=120.0):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        rc, st = e.get_transfer_status(req)
-        assert rc == SUCCESS, e.last_error()
-        if st != TransferStatus.WAITING:
-            return st
-        assert time.monotonic() < deadline, "request %d still WAITING after %ss" % (req, timeout_s)
-        time.sleep(0.001)
-
-
-def _readable(fd, timeout_s):
-    """Whether engine a's descriptor fd (on a's host) becomes readable within timeout_s."""
-    if REMOTE is not None:
-        return REMOTE.readable(fd, timeout_s)
-    import select
-    return bool(select.select([fd], [], [], timeout_s)[0])
-
-
-def _until(pred, timeout_s=30.0, what="condition"):
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        assert time.monotonic() < deadline, "timed out waiting for " + what
-        time.sleep(0.005)
-
-
-class Pair:
-    """Engine `a` listens and owns buffer `abuf`; engine `b` listens too, owns `bbuf` and connects to `a`.
-    In the two-host tier `a` and `abuf` (and a_zeros()'s buffers) live on the other host."""
-
-    def __init__(self, size=8 * MiB, a_opts=None, b_opts=None):
-        self._remote = []  # roots on a's host, released by close()
-        self.a = _engine(a_opts, remote=True)
-        if REMOTE is not None:
-            self._remote.append(self.a)
-        self.b = None
-        try:
-            self.b = _engine(b_opts)
-            rng = np.random.default_rng(20261202)
-            self.abuf = self.a_zeros(size)
-            self.bbuf = rng.integers(0, 256, size, dtype=np.uint8)
-            rc, self.ha = self.a.register_mem(MemDesc(_addr(self.abuf), size), MemType.MEM_HOST)
-            assert rc == SUCCESS, self.a.last_error()
-            rc, self.hb = self.b.register_mem(MemDesc(_addr(self.bbuf), size), MemType.MEM_HOST)
-            assert rc == SUCCESS, self.b.last_error()
-            assert self.b.connect(self.a.local_engine, 10000) == SUCCESS, self.b.last_error()
-        except BaseException:
-            self.close()  # nothing left behind on a's host either
-            raise
-
-    def a_zeros(self, n):
-        """n zero bytes on a's host."""
-        if REMOTE is None:
-            return np.zeros(n, np.uint8)
-        self._remote.append(REMOTE.zeros(n))
-        return self._remote[-1]
-
-    def close(self):
-        try:
-            if self.b is not None:
-                self.b.finalize()
-            self.a.finalize()
-        finally:
-            if REMOTE is not None:  # a, its buffers and whatever the test derived from them
-                for root in self._remote:
-                    REMOTE.release(root)
-
-
-@pytest.fixture
-def pair():
-    p = Pair()
-    yield p
-    p.close()
 
 
 @pytest.mark.parametrize("size", [1, 63, 4097, 65537, MiB + 3, 4 * MiB + 1])
@@ -171,11 +64,11 @@ def test_either_side_transfers_once_connected(pair):
     assert (p.bbuf[:4096] == 0x5A).all()
     assert p.a.connect(p.b.local_engine, 1000) == ALREADY_CONNECTED
     assert p.b.connect(p.a.local_engine, 1000) == ALREADY_CONNECTED
-    assert p.a.get_transport(p.b.local_engine) == (SUCCESS, _transport)
+    assert p.a.get_transport(p.b.local_engine) == (SUCCESS, transport_name())
     rc, info = p.b.get_link_info(p.a.local_engine)
-    assert rc == SUCCESS and info["transport"] == _transport and info["initiator"]
+    assert rc == SUCCESS and info["transport"] == transport_name() and info["initiator"]
     assert info["remote_regions"] == 1
-    if _transport == "rdma":
+    if transport_name() == "rdma":
         assert info["path_mtu"] >= 256 and info["qpn"] and info["remote_qpn"]
 
 
@@ -439,7 +332,7 @@ def test_reconnect_in_a_tight_loop_each_link_works_at_once(pair):
     page = 4096
     slots = p.abuf.size // page // 2
     # Across the two-host tier's TCG link an rdma connect takes ~1 s: fewer rounds there.
-    for i in range(200 if REMOTE is None else 40):
+    for i in range(200 if HOSTS.remote is None else 40):
         for _ in range(2):  # back to back, then once more with transfers on the link right away
             assert p.b.disconnect(a_name, 1000) == SUCCESS, (i, p.b.last_error())
             assert p.b.connect(a_name, 10000) == SUCCESS, (i, p.b.last_error())
@@ -570,8 +463,8 @@ def test_device_memory_from_the_acl_shim_and_options():
         assert b.connect(a.local_engine, 10000) == SUCCESS, b.last_error()
         for e, peer in ((b, a), (a, b)):
             rc, info = e.get_link_info(peer.local_engine)
-            assert rc == SUCCESS and info["transport"] == _transport
-            if _transport == "rdma":
+            assert rc == SUCCESS and info["transport"] == transport_name()
+            if transport_name() == "rdma":
                 assert (info["traffic_class"], info["service_level"]) == (32, 1)
                 assert (info["rdma_timeout"], info["rdma_retry_count"]) == (12, 5)
         assert b.transfer_sync(a.local_engine, WRITE, [TransferOpDesc(pb, pa, size)], 30000) == SUCCESS
@@ -611,7 +504,7 @@ def test_concurrent_transfers_from_threads(pair):
 
 @pytest.mark.onehost
 def test_cann_style_example_runs():
-    env = dict(os.environ, HIXL_TRANSPORT=_transport)
+    env = dict(os.environ, HIXL_TRANSPORT=transport_name())
     out = subprocess.run([sys.executable, str(REPO / "examples" / "cann_style.py")], capture_output=True, text=True,
                          timeout=300, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -674,7 +567,7 @@ def test_requests_in_flight_when_the_peer_disconnects_end_failed_not_waiting(pai
 @pytest.mark.onehost
 def test_target_killed_mid_transfer_gives_failed_within_the_timeout():
     size = 64 * MiB
-    peer = subprocess.Popen([sys.executable, str(REPO / "tests" / "engine_peer.py"), _transport, str(size)],
+    peer = subprocess.Popen([sys.executable, str(REPO / "tests" / "engine_peer.py"), transport_name(), str(size)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     b = _engine()
     try:

@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from tests import test_hixl_engine as suite
+from tests.engine_pair import HOSTS
 from tests.test_hixl_engine import *  # noqa: F401,F403 - the suite's tests and fixtures, collected here too
 
 pytestmark = pytest.mark.twohost
@@ -23,5 +23,5 @@ if os.environ.get("TV_ST"):  # inside guest B: point the suite at guest A
     from tests.twohost.test_faults import _peer
 
     info = _peer()["remote"]
-    suite.REMOTE = remote.Client((info["host"], info["port"]), bytes.fromhex(info["key"]))
-    suite.MYIP = os.environ.get("TV_MYIP", "192.168.88.2")
+    HOSTS.remote = remote.Client((info["host"], info["port"]), bytes.fromhex(info["key"]))
+    HOSTS.myip = os.environ.get("TV_MYIP", "192.168.88.2")
