@@ -28,6 +28,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from hixl.vllm.cluster import ProxyProcess, VllmInstance, free_port, post_json, vllm_command  # noqa: E402
+from tests.vllm_tier.conftest import log_marks  # noqa: E402
 
 MODEL = "smollm2"
 WORDS = ("river stone light north garden paper silver window market cloud music table orange engine "
@@ -88,13 +89,23 @@ def cluster(model_dir):
             i.stop()
 
 
+@pytest.fixture(autouse=True)
+def _instance_logs_on_failure(request):
+    """A failing test's report shows what the instances logged meanwhile (hixl's lines and vLLM's errors):
+    CI keeps no other copy of their logs."""
+    if "cluster" in request.fixturenames:
+        log_marks(request.node, [i.log_path for i in request.getfixturevalue("cluster").values()])
+
+
 @pytest.fixture
 def proxy(cluster, request):
     made = []
 
     def make(prefill, decode, *args):
         p = ProxyProcess([cluster[x].url for x in prefill], [cluster[x].url for x in decode], log_dir=_log_dir(),
-                         name=f"proxy-{request.node.name}-{len(made)}"[:80], args=list(args)).start()
+                         name=f"proxy-{request.node.name}-{len(made)}"[:80], args=list(args))
+        log_marks(request.node, [p.log_path])
+        p.start()
         made.append(p)
         return p
     yield make
