@@ -97,7 +97,7 @@ set +e
 HIXL_VLLM_VENV="$VLLM_VENV" RXE_VM_TIMEOUT="${RXE_VM_TIMEOUT:-2700}" bash ci/rxe-vm.sh bash ci/in-vm.sh
 vm_rc=$?
 set -e
-"$PY" ci/check_junit.py "$ART/rdma-junit.xml" --min-tests 119 \
+"$PY" ci/check_junit.py "$ART/rdma-junit.xml" --min-tests 160 \
     --require tests.rdma.test_data_path --require tests.test_hixl_engine --require tests.test_kv \
     --require tests.test_demo --require tests.reliability --require tests.interop.test_pyverbs || { log "FAIL: RDMA tiers did not really pass"; exit 1; }
 "$PY" ci/check_junit.py "$ART/vllm-rdma-junit.xml" --min-tests 13 --require tests.vllm_tier.test_connector_units \

@@ -17,20 +17,24 @@ import pytest
 import hixl
 from hixl import SUCCESS, MemDesc, MemType, TransferStatus
 
-TRANSPORTS = [pytest.param("rdma", marks=pytest.mark.rdma), "shm", "tcp"]
+# rdma4: rdma with every link striped over 4 queue pairs (HixlRdmaQpsPerLink=4 on both ends)
+TRANSPORTS = [pytest.param("rdma", marks=pytest.mark.rdma), pytest.param("rdma4", marks=pytest.mark.rdma),
+              "shm", "tcp"]
 MiB = 1 << 20
-# transport: the running test's (the `transport` fixture sets it); remote, myip: see the module's doc
-HOSTS = SimpleNamespace(transport="rdma", remote=None, myip="127.0.0.1")
+# transport: the running test's transport (the `transport` fixture sets it), qps: its queue pairs per
+# rdma link; remote, myip: see the module's doc
+HOSTS = SimpleNamespace(transport="rdma", qps=1, remote=None, myip="127.0.0.1")
 
 
 @pytest.fixture(params=TRANSPORTS, autouse=True)
 def transport(request):
     """Every test of a module that imports this runs once per transport; _engine() picks it up."""
-    HOSTS.transport = request.param
+    HOSTS.transport, HOSTS.qps = ("rdma", 4) if request.param == "rdma4" else (request.param, 1)
     yield request.param
 
 
 def transport_name() -> str:
+    """The running test's transport as an engine names it ("rdma" for rdma4 too)."""
     return HOSTS.transport
 
 
@@ -41,6 +45,8 @@ def _addr(a: np.ndarray) -> int:
 def _engine(options=None, listen=True, remote=False):
     """An initialized engine on this host, or (remote, in the two-host tier) on the other one."""
     opts = {"HixlTransport": HOSTS.transport}
+    if HOSTS.qps > 1:
+        opts["HixlRdmaQpsPerLink"] = str(HOSTS.qps)
     opts.update(options or {})
     if remote and HOSTS.remote is not None:
         return HOSTS.remote.engine(opts, listen)

@@ -305,10 +305,10 @@ def test_parse_options_full(no_env):
     opts = {
         T.OPTION_RDMA_TRAFFIC_CLASS: "252", T.OPTION_RDMA_SERVICE_LEVEL: "7",
         T.OPTION_AUTO_CONNECT: "1", "HixlTransport": "shm", "HixlDevice": "mlx5_0",
-        "HixlGidIndex": "3", "HixlRdmaTimeout": "10", "HixlRdmaRetryCount": "0",
+        "HixlGidIndex": "3", "HixlRdmaTimeout": "10", "HixlRdmaRetryCount": "0", "HixlRdmaQpsPerLink": "16",
     }
     p = ok(opts)
-    assert (p.rdma_timeout, p.rdma_retry_count) == (10, 0)
+    assert (p.rdma_timeout, p.rdma_retry_count, p.rdma_qps_per_link) == (10, 0, 16)
     assert (p.rdma_traffic_class, p.rdma_service_level) == (252, 7)
     assert p.auto_connect is True
     assert (p.transport, p.device, p.gid_index) == ("shm", "mlx5_0", 3)
@@ -341,6 +341,7 @@ def test_parse_options_full(no_env):
     ("HixlTransport", "ib"), ("HixlTransport", ""), ("HixlDevice", ""), ("HixlDevice", "  "),
     ("HixlGidIndex", "256"), ("HixlGidIndex", "-1"), ("HixlGidIndex", "one"),
     ("HixlRdmaTimeout", "0"), ("HixlRdmaTimeout", "32"), ("HixlRdmaRetryCount", "8"), ("HixlRdmaRetryCount", "-1"),
+    ("HixlRdmaQpsPerLink", "0"), ("HixlRdmaQpsPerLink", "17"),
 ])
 def test_parse_options_bad_values(no_env, key, value):
     p = bad({key: value})

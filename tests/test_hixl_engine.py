@@ -70,6 +70,47 @@ def test_either_side_transfers_once_connected(pair):
     assert info["remote_regions"] == 1
     if transport_name() == "rdma":
         assert info["path_mtu"] >= 256 and info["qpn"] and info["remote_qpn"]
+        assert info["qps"] == HOSTS.qps and len(set(info["qpns"])) == HOSTS.qps and info["qpns"][0] == info["qpn"]
+
+
+@pytest.mark.parametrize("qps_a,qps_b,want", [(4, 2, 2), (1, 4, 1), (16, 16, 16)])
+def test_a_link_gets_the_smaller_queue_pair_count_of_its_two_ends(qps_a, qps_b, want):
+    """HixlRdmaQpsPerLink: an rdma link has as many queue pairs as the end that allows fewer, and requests
+    below, at and past the stripe size (64 KiB) land whole, in one descriptor or many, with their flag
+    after their bytes. shm and tcp links ignore the option."""
+    p = Pair(size=8 * MiB, a_opts={"HixlRdmaQpsPerLink": str(qps_a)}, b_opts={"HixlRdmaQpsPerLink": str(qps_b)})
+    try:
+        for e, peer in ((p.b, p.a), (p.a, p.b)):
+            rc, info = e.get_link_info(peer.local_engine)
+            assert rc == SUCCESS, e.last_error()
+            if transport_name() == "rdma":
+                assert info["qps"] == want and len(set(info["qpns"])) == want, info
+        at = 0
+        for size in (1, 64 * 1024, 64 * 1024 + 1, 3 * MiB + 5):
+            soff, doff = at + 3, at + 7
+            d = [TransferOpDesc(_addr(p.bbuf) + soff, _addr(p.abuf) + doff, size)]
+            assert p.b.transfer_sync(p.a.local_engine, WRITE, d, 60000) == SUCCESS, p.b.last_error()
+            np.testing.assert_array_equal(p.abuf[doff:doff + size], p.bbuf[soff:soff + size], err_msg=str(size))
+            at += size + 4096
+        # 300 descriptors of 7 KiB (2.1 MiB), reversed on the far side: stripes cut descriptors anywhere
+        n, chunk = 300, 7 * 1024
+        base = 4 * MiB
+        descs = [TransferOpDesc(_addr(p.bbuf) + base + i * chunk, _addr(p.abuf) + base + (n - 1 - i) * chunk, chunk)
+                 for i in range(n)]
+        assert p.b.transfer_sync(p.a.local_engine, WRITE, descs, 60000) == SUCCESS, p.b.last_error()
+        for i in range(n):
+            np.testing.assert_array_equal(p.abuf[base + (n - 1 - i) * chunk:base + (n - i) * chunk],
+                                          p.bbuf[base + i * chunk:base + (i + 1) * chunk], err_msg=str(i))
+        # and back: a READ of the same, into zeroed memory of b
+        p.bbuf[base:base + n * chunk] = 0
+        back = [TransferOpDesc(_addr(p.bbuf) + base + i * chunk, _addr(p.abuf) + base + (n - 1 - i) * chunk, chunk)
+                for i in range(n)]
+        assert p.b.transfer_sync(p.a.local_engine, READ, back, 60000) == SUCCESS, p.b.last_error()
+        for i in (0, 1, n // 2, n - 1):
+            np.testing.assert_array_equal(p.bbuf[base + i * chunk:base + (i + 1) * chunk],
+                                          p.abuf[base + (n - 1 - i) * chunk:base + (n - i) * chunk], err_msg=str(i))
+    finally:
+        p.close()
 
 
 def test_many_descriptors_async_with_user_data(pair):

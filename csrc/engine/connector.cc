@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <tuple>
 
 #include "auth/handshake.h"
 #include "engine/engine.h"
@@ -33,8 +34,26 @@ std::shared_ptr<rdma::Endpoint> Engine::make_endpoint() const {
   return std::make_shared<rdma::Endpoint>(o);
 }
 
+std::vector<std::shared_ptr<rdma::Endpoint>> Engine::make_more_endpoints(size_t n) const {
+  std::vector<std::shared_ptr<rdma::Endpoint>> out;
+  for (size_t i = 0; i < n; ++i) out.push_back(make_endpoint());
+  return out;
+}
+
+size_t Engine::more_qps_wanted() const {
+  return opts_.rdma_qps_per_link > 1 ? size_t(opts_.rdma_qps_per_link - 1) : 0;
+}
+
+// The peer's queue pair `i` (0: hello's own) as a Hello to connect ours to: same port, GID and MTU.
+static wire::Hello peer_qp(const wire::Control& peer, size_t i) {
+  wire::Hello h = *peer.hello;
+  h.regions.clear();
+  if (i > 0) std::tie(h.qpn, h.psn) = peer.more_qps[i - 1];
+  return h;
+}
+
 wire::Control Engine::hello_frame(wire::FrameType type, const std::shared_ptr<rdma::Endpoint>& ep,
-                                  uint32_t offers) const {
+                                  uint32_t offers, const std::vector<std::shared_ptr<rdma::Endpoint>>& more) const {
   wire::Control c;
   c.type = type;
   c.offers = offers;
@@ -47,6 +66,10 @@ wire::Control Engine::hello_frame(wire::FrameType type, const std::shared_ptr<rd
   c.extents = registry_.extents();
   c.regions = registry_.regions(&c.version);
   if (ep) c.hello = ep->local_info().hello;  // queue pair only: the regions travel in c.regions
+  for (const auto& m : more) {
+    const auto h = m->local_info().hello;
+    c.more_qps.emplace_back(h.qpn, h.psn);
+  }
   return c;
 }
 
@@ -60,9 +83,12 @@ void Engine::make_path(Link& link, const wire::Control& peer) {
     l->send(f, Clock::now() + milliseconds(5000));
   };
   switch (link.transport) {
-    case wire::Transport::kRdma:
-      link.path = std::make_shared<transport::RdmaPath>(link.ep, [this, key = link.key](uint32_t v) { inbox_.push_flag(key, v); });
+    case wire::Transport::kRdma: {
+      std::vector<std::shared_ptr<rdma::Endpoint>> eps{link.ep};
+      eps.insert(eps.end(), link.more_eps.begin(), link.more_eps.end());
+      link.path = std::make_shared<transport::RdmaPath>(std::move(eps), [this, key = link.key](uint32_t v) { inbox_.push_flag(key, v); });
       break;
+    }
     case wire::Transport::kShm: {
       auto p = std::make_shared<transport::ShmPath>(pid_t(peer.pid), link.key);
       p->set_extents(peer.extents);
@@ -70,6 +96,7 @@ void Engine::make_path(Link& link, const wire::Control& peer) {
       link.shm = p.get();
       link.path = p;
       link.ep.reset();
+      link.more_eps.clear();
       break;
     }
     case wire::Transport::kTcp: {
@@ -83,6 +110,7 @@ void Engine::make_path(Link& link, const wire::Control& peer) {
       link.tcp = p.get();
       link.path = p;
       link.ep.reset();
+      link.more_eps.clear();
       break;
     }
     default: throw Error(std::string("no data path for transport ") + wire::transport_name(link.transport));
@@ -100,7 +128,8 @@ bool Engine::add_link(const std::shared_ptr<Link>& link, oob::Socket s, const wi
   std::string detail = " (" + std::to_string(peer.regions.size()) + " remote regions";
   if (link->ep)
     detail += ", device " + link->ep->local_info().device + ", gid index " +
-              std::to_string(link->ep->local_info().gid_index) + ", path mtu " + std::to_string(link->ep->path_mtu());
+              std::to_string(link->ep->local_info().gid_index) + ", path mtu " + std::to_string(link->ep->path_mtu()) +
+              (link->more_eps.empty() ? "" : ", " + std::to_string(1 + link->more_eps.size()) + " queue pairs");
   if (link->shm) detail += ", peer pid " + std::to_string(peer.pid) + ", " + std::to_string(peer.extents.size()) + " memfd regions";
   detail += ")";
   std::string msg = "engine " + name_ + ": link to " + link->key + " uses transport " +
@@ -194,12 +223,13 @@ int Engine::connect_once(const std::string& key, int timeout_ms, uint32_t offers
   link->initiator = true;
   link->id = random_u64() | 1;
   auto ep = (offers & wire::transport_bit(wire::Transport::kRdma)) ? make_endpoint() : nullptr;
+  auto more = ep ? make_more_endpoints(more_qps_wanted()) : std::vector<std::shared_ptr<rdma::Endpoint>>{};
   wire::Control peer;
   {
     Handshakes::Guard guard(handshakes_, &s);
     try {
       if (!opts_.auth_token.empty()) auth::client_handshake(s, opts_.auth_token, deadline);  // before anything of ours
-      wire::Control hello = hello_frame(wire::FrameType::kConnect, ep, offers);
+      wire::Control hello = hello_frame(wire::FrameType::kConnect, ep, offers, more);
       hello.link = link->id;
       oob::send_all(s, wire::encode_control(hello), deadline);
       auto [h, payload] = oob::recv_frame(s, deadline);
@@ -219,8 +249,14 @@ int Engine::connect_once(const std::string& key, int timeout_ms, uint32_t offers
       link->transport = peer.transport;
       if (peer.transport == wire::Transport::kRdma) {
         if (!ep || !peer.hello) throw Error("peer chose rdma without queue pair information");
+        if (peer.more_qps.size() > more.size())
+          throw Error("the peer answered with " + std::to_string(1 + peer.more_qps.size()) + " queue pairs, we offered " +
+                      std::to_string(1 + more.size()));
         ep->connect(*peer.hello);
+        more.resize(peer.more_qps.size());  // the link has the smaller count of the two ends
+        for (size_t i = 0; i < more.size(); ++i) more[i]->connect(peer_qp(peer, i + 1));
         link->ep = ep;
+        link->more_eps = std::move(more);
       } else if (peer.transport == wire::Transport::kShm) {
         std::string why = peer.boot_id != boot_id_ ? "the peer runs on another host (boot ids differ)"
                                                    : transport::shm_probe(pid_t(peer.pid), peer.probe_addr, peer.probe_value);
@@ -453,9 +489,11 @@ void Engine::serve_incoming(oob::Socket s) {
     if (chosen == wire::Transport::kRdma) {
       link->ep = make_endpoint();
       link->ep->connect(*c.hello);  // RTR/RTS before we answer: the client may write as soon as it has our reply
+      link->more_eps = make_more_endpoints(std::min(c.more_qps.size(), more_qps_wanted()));
+      for (size_t i = 0; i < link->more_eps.size(); ++i) link->more_eps[i]->connect(peer_qp(c, i + 1));
     }
     make_path(*link, c);
-    wire::Control a = hello_frame(wire::FrameType::kAccept, link->ep, offers_);
+    wire::Control a = hello_frame(wire::FrameType::kAccept, link->ep, offers_, link->more_eps);
     a.transport = chosen;
     a.link = link->id;
     oob::send_all(s, wire::encode_control(a), deadline);

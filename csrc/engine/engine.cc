@@ -61,6 +61,9 @@ int Engine::initialize(const std::string& local_engine, const Options& opts) {
       return fail(kParamInvalid, "initialize: rdma_timeout=" + std::to_string(opts.rdma_timeout) +
                                      " rdma_retry_count=" + std::to_string(opts.rdma_retry_count) +
                                      ": need rdma_timeout 1..31 (0 would never retransmit), rdma_retry_count 0..7");
+    if (opts.rdma_qps_per_link == 0 || opts.rdma_qps_per_link > int(transport::RdmaPath::kMaxQps))
+      return fail(kParamInvalid, "initialize: rdma_qps_per_link=" + std::to_string(opts.rdma_qps_per_link) +
+                                     ": need 1.." + std::to_string(transport::RdmaPath::kMaxQps));
     if (opts.async_timeout_ms < 0 || opts.heartbeat_ms < 0 || opts.heartbeat_ms > 3600000 ||
         opts.heartbeat_misses < 1 || opts.heartbeat_misses > 1000)
       return fail(kParamInvalid, "initialize: async_timeout_ms=" + std::to_string(opts.async_timeout_ms) +
@@ -284,6 +287,9 @@ std::pair<int, LinkInfo> Engine::link_info(const std::string& remote) {
     li.service_level = link->ep->options().service_level;
     li.rdma_timeout = link->ep->options().timeout;
     li.rdma_retry_count = link->ep->options().retry_cnt;
+    li.qps = int(1 + link->more_eps.size());
+    li.qpns.push_back(li.qpn);
+    for (const auto& ep : link->more_eps) li.qpns.push_back(ep->local_info().hello.qpn);
   }
   {
     std::lock_guard<std::mutex> g(link->mu);
@@ -298,7 +304,12 @@ void Engine::on_async_event(const verbs::AsyncEvent& ev) {
   if (!ev.is_qp_error() && !(ev.is_port_error() && (ev.port == 0 || ev.port == 1))) return;  // we use port 1
   const std::string why = "the RDMA device " + pd_->context()->name() + " reported " + ev.describe();
   for (auto& link : links_.all()) {
-    if (!link->ep || (ev.is_qp_error() && link->ep->local_info().hello.qpn != ev.qp_num)) continue;
+    if (!link->ep) continue;
+    if (ev.is_qp_error()) {
+      bool ours = link->ep->local_info().hello.qpn == ev.qp_num;
+      for (const auto& ep : link->more_eps) ours = ours || ep->local_info().hello.qpn == ev.qp_num;
+      if (!ours) continue;
+    }
     log::warn("engine " + name_ + ": link to " + link->key + ": " + why + "; closing it");
     remove_link(link, why, Metrics::Cause::kAsyncEvent);
   }

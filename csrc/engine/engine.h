@@ -171,7 +171,11 @@ class Engine {
   int connect_once(const std::string& key, int timeout_ms, uint32_t offers, std::string* shm_refusal);
   int disconnect_impl(const std::string& key, int timeout_ms, const std::string& why);
   std::shared_ptr<rdma::Endpoint> make_endpoint() const;
-  wire::Control hello_frame(wire::FrameType type, const std::shared_ptr<rdma::Endpoint>& ep, uint32_t offers) const;
+  // A link's further queue pairs (HixlRdmaQpsPerLink - 1 of them, or fewer as the peer allows).
+  std::vector<std::shared_ptr<rdma::Endpoint>> make_more_endpoints(size_t n) const;
+  size_t more_qps_wanted() const;
+  wire::Control hello_frame(wire::FrameType type, const std::shared_ptr<rdma::Endpoint>& ep, uint32_t offers,
+                            const std::vector<std::shared_ptr<rdma::Endpoint>>& more = {}) const;
   void make_path(Link& link, const wire::Control& peer);  // the agreed transport's data path; throws
   // Publishes a link whose path is built; false when finalizing or (without superseded) one exists.
   bool add_link(const std::shared_ptr<Link>& link, oob::Socket s, const wire::Control& peer,

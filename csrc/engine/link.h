@@ -64,7 +64,8 @@ class Link {
   uint64_t peer_instance = 0;
   wire::Transport transport = wire::Transport::kNone;
   std::shared_ptr<transport::DataPath> path;  // what moves the bytes
-  std::shared_ptr<rdma::Endpoint> ep;          // rdma only (for link_info)
+  std::shared_ptr<rdma::Endpoint> ep;          // rdma only (for link_info): the first queue pair
+  std::vector<std::shared_ptr<rdma::Endpoint>> more_eps;  // a striped link's other queue pairs
   transport::ShmPath* shm = nullptr;           // shm only: region extents go here
   transport::TcpPath* tcp = nullptr;           // tcp only: data connections attach here
   oob::Socket ctrl;

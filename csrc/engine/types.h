@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "transport/rdma_endpoint.h"
 
@@ -43,6 +44,10 @@ struct Options {
   // value recovers sooner, too small retries spuriously on a congested one.
   int rdma_timeout = -1;
   int rdma_retry_count = -1;
+  // RC queue pairs per rdma link (1..16; -1: 1). With more than one a request's bytes are striped
+  // across them (transport/data_path.h), so one queue pair waiting out a retransmission does not stall
+  // the link. A link gets the smaller of the two ends' values.
+  int rdma_qps_per_link = -1;
   bool auto_connect = false;
   int handshake_timeout_ms = 5000;  // an accepted peer must finish its handshake within this
   // transfer_async(): a request not complete this long after it was submitted ends (0: no deadline
@@ -113,6 +118,8 @@ struct LinkInfo {
   uint32_t qpn = 0, remote_qpn = 0;
   int traffic_class = 0, service_level = 0;  // as applied to the queue pair's address vector
   int rdma_timeout = 0, rdma_retry_count = 0;  // as applied to the queue pair (RTS)
+  int qps = 0;  // rdma: queue pairs of the link (qpn, remote_qpn: the first one's)
+  std::vector<uint32_t> qpns;  // rdma: all of ours, the first one first
   size_t remote_regions = 0;
 };
 

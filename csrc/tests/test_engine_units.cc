@@ -81,6 +81,8 @@ std::vector<wire::Control> samples() {
   c.instance = 0x0123456789abcdefull; c.version = 7; c.offers = 0xe; c.boot_id = "d47c590a-d893";
   c.pid = 4242; c.probe_addr = 0x7fff0000; c.probe_value = 99; c.link = 0xfeedface12345678ull; c.extents = {{0x1000, 4096, 8192, 17}};
   c.regions = hello_with(2).regions; c.hello = hello_with(3); v.push_back(c);
+  c.type = wire::FrameType::kAccept; c.more_qps = {{0x11, 7}, {0xffffff, 0xabcdef}}; v.push_back(c);  // striped
+  c.more_qps = {};
   c = {}; c.type = wire::FrameType::kAccept; c.transport = wire::Transport::kNone; c.name = "[::1]:5"; v.push_back(c);
   c = {}; c.type = wire::FrameType::kRefuse; c.status = 103903; c.text = "already connected"; v.push_back(c);
   c = {}; c.type = wire::FrameType::kNotify; c.seq = 9; c.name = "layer"; c.text = std::string(1024, 'x'); v.push_back(c);
@@ -127,6 +129,7 @@ void control_frames() {
     CHECK_EQ(d.probe_value, c.probe_value);
     CHECK_EQ(d.direction, c.direction);
     CHECK_EQ(d.link, c.link);
+    CHECK(d.more_qps == c.more_qps);
     CHECK_EQ(d.scheme, c.scheme);
     CHECK(d.nonce == c.nonce && d.proof == c.proof);
     // Every truncation of the payload is refused with an error, never a crash or a short read.
@@ -171,6 +174,19 @@ void control_frames() {
     auto a = wire::encode_control(att);
     a[a.size() - 12] = 2;  // the direction: u32 before the trailing u64 link
     CHECK_THROWS_WITH(wire::parse_control_frame(a.data(), a.size()), "attach direction 2");
+    // Further queue pairs: at most kMaxMoreQps, and only beside a first one.
+    wire::Control q = samples()[0];
+    q.more_qps.assign(wire::kMaxMoreQps + 1, {1, 1});
+    CHECK_THROWS_WITH(wire::encode_control(q), "at most 15");
+    q.more_qps.assign(1, {1, 1});
+    q.hello.reset();
+    auto qf = wire::encode_control(q);
+    CHECK_THROWS_WITH(wire::parse_control_frame(qf.data(), qf.size()), "without a first one");
+    q = samples()[0];
+    q.more_qps.assign(1, {1, 1});
+    qf = wire::encode_control(q);
+    qf[qf.size() - 12] = uint8_t(wire::kMaxMoreQps + 1);  // the count, before the one {qpn, psn}
+    CHECK_THROWS_WITH(wire::parse_control_frame(qf.data(), qf.size()), "16 further queue pairs");
     wire::Control h;
     h.type = wire::FrameType::kHello;
     CHECK_THROWS_WITH(wire::encode_control(h), "not a control frame");

@@ -7,37 +7,6 @@ namespace hixl::transport {
 
 using std::chrono::milliseconds;
 
-RdmaPath::RdmaPath(std::shared_ptr<rdma::Endpoint> ep, FlagSink sink) : ep_(std::move(ep)), sink_(std::move(sink)) {
-  flags_ = std::thread([this] {
-    while (!stop_ && !ep_->closed()) {
-      try {
-        if (auto v = ep_->wait_imm(milliseconds(100))) {
-          sink_(*v);
-          for (uint32_t w : ep_->poll_imm(256)) sink_(w);
-        }
-      } catch (const std::exception& e) {
-        log::warn(std::string("rdma path: receiving completion flags stopped: ") + e.what());
-        return;
-      }
-    }
-  });
-}
-
-RdmaPath::~RdmaPath() { close(); }
-
-uint64_t RdmaPath::submit(Op op, const std::vector<Desc>& d, milliseconds timeout, Flag flag) {
-  if (flag && op != Op::kWrite) throw Error("rdma path: a completion flag needs a WRITE");
-  rdma::Op o = op == Op::kRead ? rdma::Op::kRead : flag ? rdma::Op::kWriteImm : rdma::Op::kWrite;
-  return ep_->submit(o, d, flag.value_or(0), timeout);
-}
-
-void RdmaPath::close() {
-  stop_ = true;
-  ep_->close();
-  std::lock_guard<std::mutex> g(join_mu_);
-  if (flags_.joinable() && flags_.get_id() != std::this_thread::get_id()) flags_.join();
-}
-
 QueuedPath::~QueuedPath() { stop_worker(); }
 
 Result QueuedPath::run(Op op, const std::vector<Desc>& descs, Flag flag, Clock::time_point deadline) {

@@ -1,8 +1,9 @@
-// One link's data path, whatever carries it: RDMA (an RC queue pair), same-host (cross-memory
+// One link's data path, whatever carries it: RDMA (RC queue pairs), same-host (cross-memory
 // attach / mapped memfd), or TCP (a progress thread on the target applies the bytes).
 // The engine validates every range before it calls submit(); a path only moves bytes.
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -52,26 +53,57 @@ class DataPath {
   virtual void close() = 0;
 };
 
-// RDMA: a thin adapter over rdma::Endpoint (which already has requests, deadlines and close()).
-// A thread of its own waits on the receive completion channel and hands the peer's immediates
-// (its completion flags) to `sink`; close() joins it.
+// RDMA: an adapter over one or more rdma::Endpoint (RC queue pairs to the same peer; each already
+// has requests, deadlines and close()). With one queue pair a request goes to it as it is. With K > 1
+// (a striped link, HixlRdmaQpsPerLink) a request's bytes are split into up to K contiguous stripes of
+// at least kMinStripe bytes, one per queue pair (the first one rotating between requests), so that a
+// queue pair waiting out a retransmission does not stall the link, and the request ends when every
+// stripe did (FAILED if any failed, else TIMEOUT if any timed out). A flag goes on every queue pair
+// (a zero-length WRITE_WITH_IMM where a queue pair carried no stripe), posted in the same order on
+// all of them, and the receiving side hands it on once it arrived on all of them: each queue pair's
+// immediate follows its own earlier writes, so all of them together follow every byte of the request
+// and of those submitted before it.
+// A thread per queue pair waits on its receive completion channel for the peer's immediates (its
+// completion flags) and hands them to `sink`; close() joins them.
 class RdmaPath final : public DataPath {
  public:
-  RdmaPath(std::shared_ptr<rdma::Endpoint> ep, FlagSink sink);
+  static constexpr size_t kMaxQps = 16;
+  static constexpr uint64_t kMinStripe = 64 * 1024;
+  RdmaPath(std::vector<std::shared_ptr<rdma::Endpoint>> eps, FlagSink sink);
   ~RdmaPath() override;
   const char* name() const override { return "rdma"; }
   uint64_t submit(Op op, const std::vector<Desc>& d, std::chrono::milliseconds timeout, Flag flag) override;
-  Result status(uint64_t req) override { return ep_->status(req); }
-  Result wait(uint64_t req, std::chrono::milliseconds timeout) override { return ep_->wait(req, timeout); }
-  bool wait_done(uint64_t req, std::chrono::milliseconds timeout) override { return ep_->wait_done(req, timeout); }
+  Result status(uint64_t req) override;
+  Result wait(uint64_t req, std::chrono::milliseconds timeout) override;
+  bool wait_done(uint64_t req, std::chrono::milliseconds timeout) override;
   void close() override;
 
  private:
-  std::shared_ptr<rdma::Endpoint> ep_;
+  struct Striped {  // a request of a striped link: its stripes' endpoint requests
+    uint8_t n = 0;
+    std::array<uint8_t, kMaxQps> qp{};
+    std::array<uint64_t, kMaxQps> sub{};
+    std::array<bool, kMaxQps> over{};  // its terminal status was collected (below, or failed to post)
+    Status status = Status::kCompleted;  // the worst terminal status so far (kFailed > kTimeout > kCompleted)
+    std::string error;
+    void on_erase() { error.clear(); }
+  };
+  void flags_loop(size_t qp);
+  void on_imm(size_t qp, uint32_t v);
+  void note_locked(Striped& s, size_t k, Result r);
+
+  std::vector<std::shared_ptr<rdma::Endpoint>> eps_;
   FlagSink sink_;
   std::atomic<bool> stop_{false};
-  std::thread flags_;
+  std::vector<std::thread> flags_;
   std::mutex join_mu_;
+  // Striped links only.
+  std::mutex mu_;        // reqs_, next_qp_
+  std::mutex flag_mu_;   // a flagged request's immediates go out on every queue pair in the same order
+  util::IdSlab<Striped> reqs_;
+  size_t next_qp_ = 0;
+  std::mutex imm_mu_;    // imm_: immediates per queue pair not yet matched on all of them
+  std::vector<std::deque<uint32_t>> imm_;
 };
 
 // Paths whose bytes are moved by a CPU on this side (same-host, TCP): synchronous requests run in the

@@ -93,6 +93,12 @@ std::vector<uint8_t> encode_control(const Control& c) {
       put_extents(w, c.extents);
       detail::write_regions(w, c.regions);
       w.u64(c.link);
+      if (c.more_qps.size() > kMaxMoreQps) throw Error("wire: control: " + std::to_string(c.more_qps.size()) + " further queue pairs (at most " + std::to_string(kMaxMoreQps) + ")");
+      w.u32(uint32_t(c.more_qps.size()));
+      for (const auto& [qpn, psn] : c.more_qps) {
+        w.u32(qpn);
+        w.u32(psn);
+      }
       break;
     }
     case FrameType::kRefuse: w.u32(c.status); put_str(w, c.text); break;
@@ -150,6 +156,14 @@ Control parse_control(FrameType type, const uint8_t* payload, size_t len) {
       c.extents = get_extents(r);
       c.regions = detail::read_regions(r, "connect regions");
       c.link = r.u64("link");
+      const uint32_t m = r.u32("more_qps");
+      if (m > kMaxMoreQps || (m && !c.hello))
+        throw Error("wire: control: " + std::to_string(m) + " further queue pairs" +
+                    (c.hello ? " (at most " + std::to_string(kMaxMoreQps) + ")" : " without a first one"));
+      for (uint32_t i = 0; i < m; ++i) {
+        const uint32_t qpn = r.u32("more_qps qpn");
+        c.more_qps.emplace_back(qpn, r.u32("more_qps psn"));
+      }
       break;
     }
     case FrameType::kRefuse: c.status = r.u32("status"); c.text = get_str(r, kMaxText, "reason"); break;

@@ -9,7 +9,9 @@
 //              (transport: what the sender wants / the server chose; offers: bit 1<<t for each it can use;
 //              version: the sender's region registry version; probe: a cookie the peer may read with
 //              process_vm_readv to prove same-host access; link: the initiator's random id for this
-//              link, echoed in the Accept)
+//              link, echoed in the Accept), u32 count, count * {u32 qpn, u32 psn}: the sender's further
+//              queue pairs (a striped rdma link, 0..15 of them, only with a hello; same port, GID and
+//              MTU as hello's; the Accept's count, at most the Connect's, is the link's)
 //   Accept     same as Connect (the server's side; transport = the one chosen)
 //   Refuse     u32 status (hixl status code), str reason
 //   Notify     u64 seq, str name, str message
@@ -34,6 +36,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "wire/wire.h"
@@ -55,6 +58,7 @@ constexpr size_t kMaxExtents = 1u << 16;
 constexpr size_t kMaxName = 4096;       // engine names, notify names (1024 chars of UTF-8 fit)
 constexpr size_t kMaxText = 64 * 1024;  // notify messages, reasons
 constexpr size_t kAuthBytes = 32;        // nonces and proofs of the Auth* frames
+constexpr size_t kMaxMoreQps = 15;       // queue pairs of a link beyond the first
 
 struct Control {
   FrameType type = FrameType::kBye;
@@ -73,6 +77,7 @@ struct Control {
   std::string name;                     // Connect/Accept: engine name; Notify: notify name
   std::string text;                     // Notify: message; Refuse/Abort/Bye: reason
   std::optional<Hello> hello;           // Connect/Accept (RDMA queue pair + regions)
+  std::vector<std::pair<uint32_t, uint32_t>> more_qps;  // Connect/Accept: further queue pairs (qpn, psn)
   std::vector<Region> regions;          // Connect, Accept, Regions
   uint32_t scheme = 0;                  // AuthHello
   std::array<uint8_t, kAuthBytes> nonce{};  // AuthHello (the client's), AuthChallenge (the server's)

@@ -16,7 +16,7 @@
 namespace hixl::wire {
 
 constexpr uint32_t kMagic = 0x4c584948;  // "HIXL" in little endian
-constexpr uint16_t kVersion = 2;  // 2: Connect/Accept/Attach carry the link id
+constexpr uint16_t kVersion = 3;  // 2: Connect/Accept/Attach carry the link id; 3: and further queue pairs
 constexpr size_t kHeaderSize = 16;
 constexpr uint32_t kMaxPayload = 1u << 20;  // 1 MiB: ~43k regions; anything bigger is hostile
 constexpr size_t kRegionSize = 24;

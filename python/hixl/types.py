@@ -212,6 +212,7 @@ OPTION_HIXL_HEARTBEAT_MISSES = "HixlHeartbeatMisses"    # silent intervals befor
 OPTION_HIXL_METRICS_PORT = "HixlMetricsPort"            # serve /metrics on this port (0: a free one; hixl.metrics)
 OPTION_HIXL_RDMA_TIMEOUT = "HixlRdmaTimeout"            # QP ACK timeout 4.096 us * 2^n, 1..31 (default 14)
 OPTION_HIXL_RDMA_RETRY_COUNT = "HixlRdmaRetryCount"     # QP retransmissions before it fails, 0..7 (default 7)
+OPTION_HIXL_RDMA_QPS_PER_LINK = "HixlRdmaQpsPerLink"    # RC QPs a link stripes its bytes over, 1..16 (default 1)
 
 TRANSPORTS = ("auto", "rdma", "shm", "tcp")
 ENV_TRANSPORT = "HIXL_TRANSPORT"
@@ -226,7 +227,8 @@ CANN_OPTIONS = (OPTION_ENABLE_USE_FABRIC_MEM, OPTION_RDMA_TRAFFIC_CLASS, OPTION_
                 OPTION_BUFFER_POOL, OPTION_GLOBAL_RESOURCE_CONFIG, OPTION_AUTO_CONNECT, OPTION_LOCAL_COMM_RES)
 HIXL_OPTIONS = (OPTION_HIXL_TRANSPORT, OPTION_HIXL_DEVICE, OPTION_HIXL_GID_INDEX, OPTION_HIXL_AUTH_TOKEN,
                 OPTION_HIXL_ASYNC_TIMEOUT_MS, OPTION_HIXL_HEARTBEAT_MS, OPTION_HIXL_HEARTBEAT_MISSES,
-                OPTION_HIXL_METRICS_PORT, OPTION_HIXL_RDMA_TIMEOUT, OPTION_HIXL_RDMA_RETRY_COUNT)
+                OPTION_HIXL_METRICS_PORT, OPTION_HIXL_RDMA_TIMEOUT, OPTION_HIXL_RDMA_RETRY_COUNT,
+                OPTION_HIXL_RDMA_QPS_PER_LINK)
 ADXL_PREFIX = "adxl."
 # CANN reads the RDMA traffic class and service level from these when the option is absent (as we do).
 # Unlike CANN we keep 0/0 when neither is set: its 132/4 fit Ascend fabrics, not a generic RoCE network.
@@ -263,6 +265,7 @@ _INT_OPTIONS = {
     OPTION_HIXL_METRICS_PORT: ("metrics_port", 0, 65535),
     OPTION_HIXL_RDMA_TIMEOUT: ("rdma_timeout", 1, 31),  # 0 means "never retransmit": refused
     OPTION_HIXL_RDMA_RETRY_COUNT: ("rdma_retry_count", 0, 7),
+    OPTION_HIXL_RDMA_QPS_PER_LINK: ("rdma_qps_per_link", 1, 16),
 }
 _DECIMAL = re.compile(r"[0-9]+")
 _BUFFER_POOL = re.compile(r"([0-9]+):([0-9]+)")
@@ -290,6 +293,7 @@ class ParsedOptions:
     metrics_port: Optional[int] = None  # None: no /metrics served
     rdma_timeout: Optional[int] = None
     rdma_retry_count: Optional[int] = None
+    rdma_qps_per_link: Optional[int] = None
     enable_use_fabric_mem: Optional[str] = None
     buffer_pool: Optional[str] = None
     global_resource_config: Optional[str] = None
@@ -534,6 +538,7 @@ __all__ = [
     "OPTION_LOCAL_COMM_RES", "OPTION_HIXL_TRANSPORT", "OPTION_HIXL_DEVICE",
     "OPTION_HIXL_GID_INDEX", "OPTION_HIXL_AUTH_TOKEN", "OPTION_HIXL_ASYNC_TIMEOUT_MS", "OPTION_HIXL_HEARTBEAT_MS",
     "OPTION_HIXL_HEARTBEAT_MISSES", "OPTION_HIXL_METRICS_PORT", "OPTION_HIXL_RDMA_TIMEOUT", "OPTION_HIXL_RDMA_RETRY_COUNT",
+    "OPTION_HIXL_RDMA_QPS_PER_LINK",
     "TRANSPORTS", "ENV_TRANSPORT", "ENV_AUTH_TOKEN",
     "ENV_METRICS_PORT",
     "MAX_AUTH_TOKEN_BYTES", "ParsedOptions", "parse_options", "CANN_OPTIONS", "HIXL_OPTIONS", "ENV_RDMA_TC",

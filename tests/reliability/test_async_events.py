@@ -65,6 +65,23 @@ def test_a_qp_error_ends_that_qps_link_only(ab, capfd):
         c.finalize()
 
 
+def test_a_qp_error_on_any_queue_pair_of_a_striped_link_ends_it():
+    """A link striped over 4 queue pairs (HixlRdmaQpsPerLink): an error on its last one ends the link."""
+    a, b = _engine("rdma", HixlRdmaQpsPerLink=4), _engine("rdma", HixlRdmaQpsPerLink=4)
+    try:
+        assert a.connect(b.local_engine, 20000) == SUCCESS, a.last_error()
+        rc, info = a.get_link_info(b.local_engine)
+        assert rc == SUCCESS and info["qps"] == 4 and len(set(info["qpns"])) == 4, info
+        assert info["qpns"][0] == info["qpn"]
+        assert a._engine._inject_async_event(IBV_EVENT_QP_FATAL, info["qpns"][-1], 0) == SUCCESS
+        assert not _linked(a, b.local_engine)
+        assert _closed_by(a, "async_event") == 1
+        _until(lambda: not _linked(b, a.local_engine), 10, "b to see the link closed")
+    finally:
+        a.finalize()
+        b.finalize()
+
+
 def _netdev(dev: str) -> str:
     out = subprocess.run(["rdma", "link", "show", dev + "/1"], capture_output=True, text=True, check=True).stdout
     m = re.search(r"netdev (\S+)", out)
