@@ -162,6 +162,7 @@ def test_hixl_bench_subcommand(capsys):
     (["--op", "send"], "unknown 'send'"),
     (["--descs", "5000"], "--descs must be integers in 1..4096"),
     (["--window", "x"], "--window"),
+    (["--qps", "17"], "--qps must be 1..16"),
     (["--threads", "0"], "--threads"),
     (["--transport", "ib"], "unknown 'ib'"),
     (["--path", "endpoint", "--transport", "tcp"], "rdma only"),

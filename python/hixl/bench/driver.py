@@ -387,7 +387,8 @@ def _run(s: Settings, t_start: float, mine: Optional[set], theirs: Optional[set]
             "measure_s": round(t_measured - t_start, 1),
             "settings": {"sizes": s.sizes, "ops": s.ops, "descs": s.descs, "windows": s.windows,
                          "threads": s.threads, "paths": s.paths, "lat_iters": s.lat_iters, "bw_bytes": s.bw_bytes,
-                         "trials": s.trials, "budget_s": s.budget_s, "span_B": s.span, "quick": a.quick}}
+                         "trials": s.trials, "budget_s": s.budget_s, "span_B": s.span, "quick": a.quick,
+                         "rdma_qps_per_link": a.qps}}
     return {"meta": meta, "rows": rows, "peers": peer_rows, "notes": notes}
 
 

@@ -116,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--window", default="128", help="outstanding requests per thread, 1..4096 [128, perftest's "
                                                    "tx depth]")
     g.add_argument("--threads", default="1", help="initiator threads sharing the link, 1..64 [1]")
+    g.add_argument("--qps", type=int, default=1, help="rdma engine path: queue pairs per link the bytes are "
+                                                      "striped over (HixlRdmaQpsPerLink, both ends), 1..16 [1]")
     g.add_argument("--path", default="auto", help="endpoint,engine,python [auto: rdma endpoint,engine; "
                                                    "shm/tcp engine]")
     g.add_argument("--quick", action="store_true", help="CI preset: sizes %s, fewer iterations, shorter "
@@ -224,6 +226,8 @@ def resolve(a: argparse.Namespace) -> Settings:
                  ("--bw-rounds", a.bw_rounds)):
         if v is not None and v < 1:
             raise UsageError("%s must be >= 1" % n)
+    if not 1 <= a.qps <= 16:
+        raise UsageError("--qps must be 1..16")
     if a.budget_s is not None and a.budget_s <= 0:
         raise UsageError("--budget-s must be > 0")
     if a.server_ip and a.serve:

@@ -281,8 +281,10 @@ def emit(res: Dict[str, Any], s: Any) -> Dict[str, Any]:
                        for p in peer_rows})
     gl = goals(rat, measured) if s.goals else []
     m = res["meta"]
-    lines = ["hixl bench %s  host %s  cpus %s  pinned %s  device %s gid %s  (measured in %.1f s, %.1f s in all)"
-             % (m["hixl"], m["host"], m["cpus"], m["pinned"], m["rdma_device"], m["gid_index"], m.get("measure_s", math.nan),
+    qps = m.get("settings", {}).get("rdma_qps_per_link", 1)
+    lines = ["hixl bench %s  host %s  cpus %s  pinned %s  device %s gid %s%s  (measured in %.1f s, %.1f s in all)"
+             % (m["hixl"], m["host"], m["cpus"], m["pinned"], m["rdma_device"], m["gid_index"],
+                "  engine links: %d queue pairs" % qps if qps > 1 else "", m.get("measure_s", math.nan),
                 m.get("elapsed_s", math.nan)),
              "units: size in B (bytes per descriptor); latency in us; bandwidth in MiB/s with MiB = 2^20 B; "
              "med = median, p99 = 99th percentile, min = lowest trial; [x] = ours / peer",

@@ -283,13 +283,17 @@ class Server:
         o["drain"].join(30)
         return {"ok": True, "received": o["drained"]["n"]}
 
-    def do_engine_target(self, transport: str, bytes: int, mem: str = "host") -> Dict[str, Any]:  # noqa: A002
+    def do_engine_target(self, transport: str, bytes: int, mem: str = "host", qps: int = 1) -> Dict[str, Any]:  # noqa: A002
         import hixl
         bytes = checked_bytes(bytes)  # noqa: A001
         if transport not in ("rdma", "shm", "tcp") or mem not in ("host", "acl"):
             raise ValueError("engine target: transport must be rdma, shm or tcp and mem host or acl")
+        if not isinstance(qps, int) or not 1 <= qps <= 16:
+            raise ValueError("engine target: qps must be 1..16")
         e = hixl.Hixl()
         opts = {"HixlTransport": transport}
+        if qps > 1:
+            opts["HixlRdmaQpsPerLink"] = str(qps)
         if self.a.device:
             opts["HixlDevice"] = self.a.device
         if self.a.gid_index is not None:

@@ -136,13 +136,16 @@ class EngineSide(Side):
             opts["HixlDevice"] = s.args.device
         if s.args.gid_index is not None:
             opts["HixlGidIndex"] = str(s.args.gid_index)
+        qps = getattr(s.args, "qps", 1)
+        if qps > 1:
+            opts["HixlRdmaQpsPerLink"] = str(qps)
         if self.e.initialize(local_ip, opts) != hixl.SUCCESS:
             raise RuntimeError("Hixl.initialize(%s, %s): %s" % (local_ip, opts, self.e.last_error()))
         self.buf = np.zeros(self.span, np.uint8)
         self.addr = self.buf.ctypes.data
         if self.e.register_mem(hixl.MemDesc(self.addr, self.span))[0] != hixl.SUCCESS:
             raise RuntimeError("register_mem: " + self.e.last_error())
-        t = ctl.call("engine_target", transport=transport, bytes=self.span, mem=s.args.target_mem)
+        t = ctl.call("engine_target", transport=transport, bytes=self.span, mem=s.args.target_mem, qps=qps)
         self.tid, self.remote, self.raddr = t["id"], t["name"], t["addr"]
         if self.e.connect(self.remote, 30000) != hixl.SUCCESS:
             raise RuntimeError("connect %s: %s" % (self.remote, self.e.last_error()))
