@@ -8,13 +8,15 @@ its own rxe0) and on tcp. What the user must see:
   every byte verified (read back and compared), or FAILED/TIMEOUT within its timeout; never a hang,
   never silent corruption; notifies likewise. The effective bandwidth under each fault is recorded
   against the clean link ($TV_ST/faults.json, printed), with the goal >= 0.5x clean at 1 % loss on rdma
-  (measured with the default ACK timeout, and once more on a second rdma engine with HixlRdmaTimeout=12);
+  (measured with the default ACK timeout, and on further rdma engines of B's: with HixlRdmaTimeout=12, and
+  with each link striped over 4 queue pairs, HixlRdmaQpsPerLink=4, with both ACK timeouts);
 * the link down for 0.5 s: in-flight requests end (completed, or failed within their timeout); later
   transfers work, without a connect where the link survived, after one where it did not;
 * the link down past the heartbeat bound: the link is closed on both ends (A: the heartbeat; B: the
   heartbeat on tcp, the device's port-down event on rdma); connect works once the link is back;
 * the peer host removed (guest A killed by the host) mid-transfer: everything in flight ends FAILED
-  or TIMEOUT within its timeout.
+  or TIMEOUT within its timeout (on the sides with one queue pair per link: with 8 more queue pairs
+  pushing, guest B's own QEMU 7.2 segfaulted in its stream netdev when A's went, 2 of 2 times).
 
 Timings under TCG are only compared within this run.
 """
@@ -39,6 +41,8 @@ MYIP = os.environ.get("TV_MYIP", "192.168.88.2")
 TRANSPORTS = ("rdma", "tcp")
 SHORT_TIMEOUT = 12  # HixlRdmaTimeout of the extra rdma side: 4.096 us * 2^12 = 16 ms (default 14: 67 ms)
 SHORT = "rdma t=%d" % SHORT_TIMEOUT
+STRIPED = {"rdma 4qp": {"HixlRdmaQpsPerLink": "4"},  # A's rdma engine allows 4 queue pairs per link
+           "rdma 4qp t=%d" % SHORT_TIMEOUT: {"HixlRdmaQpsPerLink": "4", "HixlRdmaTimeout": str(SHORT_TIMEOUT)}}
 HEARTBEAT = {"HixlHeartbeatMs": "200", "HixlHeartbeatMisses": "10"}  # as peer.py: a dead link after 2 s
 MIB = 1 << 20
 TIMEOUT_MS = 20000  # each transfer's
@@ -166,6 +170,9 @@ def sides():
     peer = _peer()
     s = {t: Side(t, peer) for t in TRANSPORTS}
     s[SHORT] = Side("rdma", peer, {"HixlRdmaTimeout": str(SHORT_TIMEOUT)}, listen=True)
+    for name, opts in STRIPED.items():
+        s[name] = Side("rdma", peer, opts, listen=True)
+        assert s[name].e.get_link_info(s[name].remote)[1]["qps"] == 4
     yield s
     for side in s.values():
         side.close()
@@ -189,6 +196,15 @@ def test_a_shorter_ack_timeout_recovers_sooner_from_loss(sides, fault):
     """rdma with HixlRdmaTimeout=12 (16 ms instead of 67 ms): a loss rxe cannot recover by a NAK waits that
     long. 12 is as low as rxe takes here: at 11 and below its QP died now and then (IBV_WC_REM_INV_REQ_ERR)."""
     _under_fault(sides[SHORT], SHORT, fault)
+
+
+@pytest.mark.parametrize("side", list(STRIPED))
+@pytest.mark.parametrize("fault", ["clean", "loss 1%"])
+def test_a_link_striped_over_four_queue_pairs_rides_out_loss(sides, side, fault):
+    """rdma with each link's bytes striped over 4 queue pairs (HixlRdmaQpsPerLink=4): while one queue pair
+    waits out a retransmission the others keep the link busy. ib_write_bw -q 4 across this link: 2-3x the
+    bandwidth of one queue pair at 1% loss, ~1.5x clean."""
+    _under_fault(sides[side], side, fault)
 
 
 def _under_fault(side, transport, fault):
@@ -287,9 +303,11 @@ def test_a_half_second_link_flap_ends_inflight_requests_and_one_connect_at_most_
 def test_the_link_down_past_the_heartbeat_bound_is_closed_on_both_ends_and_connect_works_after(sides, transport):
     side = sides[transport]
     side.ensure_linked()
-    if transport == "rdma" and sides[SHORT].linked():  # A's count of heartbeat closes is per engine
-        assert sides[SHORT].e.disconnect(sides[SHORT].remote) == SUCCESS
-        _until(lambda: not sides[SHORT].linked(), 10, "the second rdma engine's link to go")
+    for name in ([SHORT, *STRIPED] if transport == "rdma" else []):  # A's count of heartbeat closes is per engine
+        other = sides[name]
+        if other.linked():
+            assert other.e.disconnect(other.remote) == SUCCESS
+            _until(lambda: not other.linked(), 10, "the link of B's engine %r to go" % name)
     before_a = _peer_closed(transport, "heartbeat")
     _sh("ip", "link", "set", NIC, "down")
     try:
@@ -307,6 +325,8 @@ def test_the_link_down_past_the_heartbeat_bound_is_closed_on_both_ends_and_conne
 
 
 def test_zz_the_peer_host_removed_mid_transfer_ends_everything_within_its_timeout(sides):
+    for name in STRIPED:  # see the module's doc: the host's QEMU, not ours, fails with them
+        sides.pop(name).close()
     for side in sides.values():
         side.ensure_linked()
         side.buf[: 16 * MIB] = 1
