@@ -137,7 +137,7 @@ TV_DIR="$ART/twohost" TV_REPO="$REPO" TV_TIMEOUT="${HIXL_TWOHOST_TIMEOUT:-1800}"
 tv_rc=$?
 set -e
 cat "$ART/twohost/state/latest/faults.txt" 2>/dev/null || true
-"$PY" ci/check_junit.py "$ART/twohost/state/latest/twohost-junit.xml" --min-tests 93 \
+"$PY" ci/check_junit.py "$ART/twohost/state/latest/twohost-junit.xml" --min-tests 115 \
     --require tests.twohost.test_faults --require tests.twohost.test_engine_suite || { log "FAIL: the two-host tier did not really pass"; exit 1; }
 [ "$tv_rc" -eq 0 ] || { log "FAIL: the two-host run exited $tv_rc"; exit "$tv_rc"; }
 log "all tiers passed in $(( $(date +%s) - start ))s"
