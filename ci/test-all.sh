@@ -130,7 +130,7 @@ log "tier 4: a real link - two QEMU guests joined by a link (ci/two-vm/two-vm.sh
 rm -rf "$ART/twohost"
 mkdir -p "$ART/twohost"
 set +e
-TV_DIR="$ART/twohost" TV_REPO="$REPO" TV_TIMEOUT="${HIXL_TWOHOST_TIMEOUT:-1800}" TV_VERBOSE= \
+TV_DIR="$ART/twohost" TV_REPO="$REPO" TV_TIMEOUT="${HIXL_TWOHOST_TIMEOUT:-2400}" TV_VERBOSE= \
     PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 TV_CMD_A="$PY -m tests.twohost.peer" \
     TV_CMD_B="$PY -m pytest -p no:cacheprovider -q -rA -m twohost --junitxml=\$TV_ST/twohost-junit.xml tests/twohost" \
     bash ci/two-vm/two-vm.sh
