@@ -159,7 +159,10 @@ std::vector<wire::Control> controls() {
   c.extents = {{0x1000, 4096, 0, 17}};
   c.regions = hello(2).regions;
   v.push_back(c);
-  c.type = wire::FrameType::kAccept;
+  c.type = wire::FrameType::kAccept;  // a striped rdma link: three further queue pairs
+  c.more_qps = {{0x21, 5}, {0x22, 6}, {0xffffff, 0xffffff}};
+  v.push_back(c);
+  c.more_qps.clear();
   c.hello.reset();
   c.transport = wire::Transport::kTcp;
   v.push_back(c);
