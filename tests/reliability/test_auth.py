@@ -97,10 +97,11 @@ def pstr(s):
 
 
 def connect_payload(name="127.0.0.1:1", offers=TCP_BIT, boot_id="x" * 36, regions=0):
-    """A Connect frame's payload as control.h documents it (no queue pair, no extents, no regions; link id 0x11)."""
+    """A Connect frame's payload as control.h documents it (no queue pair, no extents, no regions; link id
+    0x11; no further queue pairs)."""
     return (struct.pack("<IIQQ", 0, offers, 0x1234, 1) + pstr(name) + pstr(boot_id) +
             struct.pack("<IQQ", 4242, 0, 0) + struct.pack("<I", 0) + struct.pack("<I", 0) +
-            struct.pack("<I", regions) + struct.pack("<Q", 0x11))
+            struct.pack("<I", regions) + struct.pack("<Q", 0x11) + struct.pack("<I", 0))
 
 
 def parse_frames(data):
