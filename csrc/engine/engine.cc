@@ -5,6 +5,8 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include <algorithm>
+
 #include "auth/handshake.h"
 #include "engine/internal.h"
 #include "transport/shm_path.h"
@@ -287,9 +289,8 @@ std::pair<int, LinkInfo> Engine::link_info(const std::string& remote) {
     li.service_level = link->ep->options().service_level;
     li.rdma_timeout = link->ep->options().timeout;
     li.rdma_retry_count = link->ep->options().retry_cnt;
-    li.qps = int(1 + link->more_eps.size());
-    li.qpns.push_back(li.qpn);
-    for (const auto& ep : link->more_eps) li.qpns.push_back(ep->local_info().hello.qpn);
+    li.qpns = link->qpns();
+    li.qps = int(li.qpns.size());
   }
   {
     std::lock_guard<std::mutex> g(link->mu);
@@ -306,9 +307,8 @@ void Engine::on_async_event(const verbs::AsyncEvent& ev) {
   for (auto& link : links_.all()) {
     if (!link->ep) continue;
     if (ev.is_qp_error()) {
-      bool ours = link->ep->local_info().hello.qpn == ev.qp_num;
-      for (const auto& ep : link->more_eps) ours = ours || ep->local_info().hello.qpn == ev.qp_num;
-      if (!ours) continue;
+      const auto qpns = link->qpns();
+      if (std::find(qpns.begin(), qpns.end(), ev.qp_num) == qpns.end()) continue;
     }
     log::warn("engine " + name_ + ": link to " + link->key + ": " + why + "; closing it");
     remove_link(link, why, Metrics::Cause::kAsyncEvent);

@@ -66,6 +66,12 @@ class Link {
   std::shared_ptr<transport::DataPath> path;  // what moves the bytes
   std::shared_ptr<rdma::Endpoint> ep;          // rdma only (for link_info): the first queue pair
   std::vector<std::shared_ptr<rdma::Endpoint>> more_eps;  // a striped link's other queue pairs
+  std::vector<uint32_t> qpns() const {  // rdma: our queue pair numbers, ep's first
+    std::vector<uint32_t> out;
+    if (ep) out.push_back(ep->local_info().hello.qpn);
+    for (const auto& m : more_eps) out.push_back(m->local_info().hello.qpn);
+    return out;
+  }
   transport::ShmPath* shm = nullptr;           // shm only: region extents go here
   transport::TcpPath* tcp = nullptr;           // tcp only: data connections attach here
   oob::Socket ctrl;

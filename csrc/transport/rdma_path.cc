@@ -171,10 +171,7 @@ bool RdmaPath::wait_done(uint64_t req, milliseconds timeout) {
     std::lock_guard<std::mutex> g(mu_);
     const Striped* s = reqs_.find(req);
     if (!s) return true;
-    copy.n = s->n;
-    copy.qp = s->qp;
-    copy.sub = s->sub;
-    copy.over = s->over;
+    copy = *s;
   }
   const auto deadline = timeout.count() < 0 ? Clock::time_point::max() : Clock::now() + timeout;
   for (size_t k = 0; k < copy.n; ++k) {
