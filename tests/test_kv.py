@@ -379,7 +379,14 @@ def test_a_decoder_that_goes_away_fails_the_push_not_hangs(rig):
     tx.store("r", 0, *data[0])
     tx.push("r", 0)
     tx.flush("r", 60)
+    decoder = rx.engine.local_engine
     rx.engine.finalize()  # the decoder process is gone, as far as the link goes
+    # The sender learns it when its progress thread reads the closed control connection. Until then a
+    # push over shm lands in memory that is still mapped here (the decoder is this process), so wait
+    # for that, bounded, instead of racing it with pushes faster than a thread switch.
+    until = time.monotonic() + 10
+    while tx.engine.get_transport(decoder)[0] == SUCCESS and time.monotonic() < until:
+        time.sleep(0.01)
     t0 = time.monotonic()
     with pytest.raises(kv.TransferFailed):
         for layer in range(1, LAYOUT.n_layers):
