@@ -149,7 +149,7 @@ void Engine::remove_link(const std::shared_ptr<Link>& link, const std::string& w
   if (link->disconnecting) cause = Metrics::Cause::kDisconnect;
   links_.unpublish(link, why, cause == Metrics::Cause::kDisconnect);
   {
-    std::lock_guard<std::mutex> g(link->mu);
+    std::lock_guard<util::Mutex> g(link->mu);
     if (link->down) return;
     link->down = true;
     link->down_reason = why;

@@ -293,7 +293,7 @@ std::pair<int, LinkInfo> Engine::link_info(const std::string& remote) {
     li.qps = int(li.qpns.size());
   }
   {
-    std::lock_guard<std::mutex> g(link->mu);
+    std::lock_guard<util::Mutex> g(link->mu);
     li.remote_regions = link->remote.size();
   }
   return {ok(), li};

@@ -69,6 +69,8 @@
 
 namespace hixl::engine {
 
+struct ThreadState;  // engine/thread_state.h
+
 class Engine {
  public:
   Engine();
@@ -191,9 +193,10 @@ class Engine {
 
   // transfers.cc
   // The link to `remote` (the name as given, when a link has it: no parsing per transfer; else its
-  // canonical form, auto-connecting when allowed); *key (when not null) its canonical name.
+  // canonical form, auto-connecting when allowed); *key (when not null) its canonical name. last: the
+  // thread's last lookup (LinkTable::find), when the caller has its ThreadState at hand.
   int find_link(const std::string& remote, int timeout_ms, const char* call, std::shared_ptr<Link>* out,
-                std::string* key);
+                std::string* key, LinkLookup* last = nullptr);
   int ensure_link(const std::string& key, int timeout_ms, std::shared_ptr<Link>* out);
   // Resolves and checks descs into *out (local keys from our registry, remote keys from the link).
   int prepare(const std::shared_ptr<Link>& link, TransferOp op, const OpDesc* descs, size_t n,
@@ -214,7 +217,8 @@ class Engine {
   }
   std::pair<int, uint64_t> run_async(const std::shared_ptr<Link>& link, TransferOp op,
                                      const std::vector<rdma::Desc>& rd, uint64_t user_data, int64_t flag,
-                                     int timeout_ms, std::chrono::steady_clock::time_point start, const char* call);
+                                     int timeout_ms, std::chrono::steady_clock::time_point start, const char* call,
+                                     ThreadState& ts);
   int submit_checks(TransferOp op, int64_t flag, const char* call);
   // True once the peer confirmed its queue pair is in the error state too.
   bool abort_link(const std::shared_ptr<Link>& link, const std::string& why);

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <random>
 
+#include "engine/thread_state.h"
 #include "transport/oob.h"
 #include "verbs/error.h"
 #include "verbs/log.h"
@@ -27,12 +28,14 @@ const char* code_name(int code) {
   return "UNKNOWN";
 }
 
+ThreadState& thread_state() {
+  thread_local ThreadState t_state;
+  return t_state;
+}
+
 namespace detail {
 
-std::string& last_error() {
-  thread_local std::string t_last_error;
-  return t_last_error;
-}
+std::string& last_error() { return thread_state().last_error; }
 
 int fail(int code, const std::string& why) {
   std::string& e = last_error();

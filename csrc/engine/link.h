@@ -31,6 +31,7 @@
 #include "transport/data_path.h"
 #include "transport/oob.h"
 #include "transport/rdma_endpoint.h"
+#include "util/mutex.h"
 #include "wire/control.h"
 #include "wire/frame_reader.h"
 
@@ -78,8 +79,8 @@ class Link {
 
   std::mutex send_mu;  // one frame at a time on ctrl (the progress thread is its only reader)
 
-  std::mutex mu;  // below
-  std::condition_variable cv;
+  util::Mutex mu;  // below
+  std::condition_variable_any cv;
   RegionTable remote;
   uint64_t remote_version = 0;
   std::set<uint64_t> pending;                 // seqs someone waits a reply for
@@ -124,7 +125,7 @@ class Link {
            " pending, incomplete";
   }
   bool is_down() {
-    std::lock_guard<std::mutex> g(mu);
+    std::lock_guard<util::Mutex> g(mu);
     return down;
   }
 
@@ -181,25 +182,25 @@ class Link {
 
   // A new sequence number whose reply wait_reply() will collect.
   uint64_t expect() {
-    std::lock_guard<std::mutex> g(mu);
+    std::lock_guard<util::Mutex> g(mu);
     uint64_t seq = next_seq++;
     pending.insert(seq);
     return seq;
   }
   void forget(uint64_t seq) {
-    std::lock_guard<std::mutex> g(mu);
+    std::lock_guard<util::Mutex> g(mu);
     pending.erase(seq);
     replies.erase(seq);
   }
   void deliver(const wire::Control& c) {
-    std::lock_guard<std::mutex> g(mu);
+    std::lock_guard<util::Mutex> g(mu);
     if (!pending.count(c.seq)) return;  // late (its waiter gave up) or unsolicited
     replies[c.seq] = c;
     cv.notify_all();
   }
   // The reply to `seq`; nullopt when the deadline passed or the link went down first.
   std::optional<wire::Control> wait_reply(uint64_t seq, Clock::time_point deadline, bool* went_down) {
-    std::unique_lock<std::mutex> lk(mu);
+    std::unique_lock<util::Mutex> lk(mu);
     cv.wait_until(lk, deadline, [&] { return down || replies.count(seq); });
     pending.erase(seq);
     auto it = replies.find(seq);
@@ -212,7 +213,7 @@ class Link {
     return c;
   }
   void set_regions(const std::vector<wire::Region>& regions, uint64_t version) {
-    std::lock_guard<std::mutex> g(mu);
+    std::lock_guard<util::Mutex> g(mu);
     if (version < remote_version) return;  // an older list overtaken by a newer one
     remote_version = version;
     remote.assign(to_entries(regions));

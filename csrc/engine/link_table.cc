@@ -2,14 +2,31 @@
 
 namespace hixl::engine {
 
-std::shared_ptr<Link> LinkTable::find(const std::string& key) const {
-  std::lock_guard<std::mutex> g(mu_);
+namespace {
+std::atomic<uint64_t> g_next_table_id{1};
+}  // namespace
+
+LinkTable::LinkTable() : id_(g_next_table_id.fetch_add(1, std::memory_order_relaxed)) {}
+
+std::shared_ptr<Link> LinkTable::find(const std::string& key, LinkLookup* last) const {
+  // The last answer was the table's at generation `gen`; while gen_ still reads `gen`, no link was
+  // added or taken out since, so it is still the answer (a change in progress ends with the bump).
+  if (last && last->table == id_ && last->gen == gen_.load(std::memory_order_acquire) && last->key == key)
+    if (auto link = last->link.lock()) return link;
+  std::lock_guard<util::Mutex> g(mu_);
   auto it = links_.find(key);
-  return it == links_.end() ? nullptr : it->second;
+  std::shared_ptr<Link> found = it == links_.end() ? nullptr : it->second;
+  if (found && last) {
+    last->table = id_;
+    last->gen = gen_.load(std::memory_order_relaxed);
+    last->key = key;
+    last->link = found;
+  }
+  return found;
 }
 
 std::vector<std::shared_ptr<Link>> LinkTable::all() const {
-  std::lock_guard<std::mutex> g(mu_);
+  std::lock_guard<util::Mutex> g(mu_);
   std::vector<std::shared_ptr<Link>> out;
   out.reserve(links_.size());
   for (auto& [k, l] : links_) out.push_back(l);
@@ -17,19 +34,19 @@ std::vector<std::shared_ptr<Link>> LinkTable::all() const {
 }
 
 std::vector<std::string> LinkTable::keys() const {
-  std::lock_guard<std::mutex> g(mu_);
+  std::lock_guard<util::Mutex> g(mu_);
   std::vector<std::string> out;
   for (auto& [k, l] : links_) out.push_back(k);
   return out;
 }
 
 bool LinkTable::empty() const {
-  std::lock_guard<std::mutex> g(mu_);
+  std::lock_guard<util::Mutex> g(mu_);
   return links_.empty();
 }
 
 int LinkTable::claim_outgoing(const std::string& key) {
-  std::lock_guard<std::mutex> g(mu_);
+  std::lock_guard<util::Mutex> g(mu_);
   if (closed_) return detail::fail(kFailed, "connect: engine is not initialized");
   if (links_.count(key)) return detail::fail(kAlreadyConnected, "connect: already connected to " + key);
   if (connecting_.count(key) || incoming_.count(key))
@@ -39,13 +56,13 @@ int LinkTable::claim_outgoing(const std::string& key) {
 }
 
 void LinkTable::release_outgoing(const std::string& key) {
-  std::lock_guard<std::mutex> g(mu_);
+  std::lock_guard<util::Mutex> g(mu_);
   connecting_.erase(key);
 }
 
 std::string LinkTable::claim_incoming(const std::string& key, const std::string& self, bool peer_listens,
                                       uint64_t peer_instance, int* code) {
-  std::lock_guard<std::mutex> g(mu_);
+  std::lock_guard<util::Mutex> g(mu_);
   *code = kFailed;
   if (closed_) return self + " is finalizing";
   *code = kParamInvalid;
@@ -67,12 +84,12 @@ std::string LinkTable::claim_incoming(const std::string& key, const std::string&
 }
 
 void LinkTable::release_incoming(const std::string& key) {
-  std::lock_guard<std::mutex> g(mu_);
+  std::lock_guard<util::Mutex> g(mu_);
   incoming_.erase(key);
 }
 
 bool LinkTable::publish(const std::shared_ptr<Link>& link, std::shared_ptr<Link>* superseded) {
-  std::lock_guard<std::mutex> g(mu_);
+  std::lock_guard<util::Mutex> g(mu_);
   if (closed_) return false;
   auto it = links_.find(link->key);
   if (it != links_.end()) {
@@ -80,16 +97,18 @@ bool LinkTable::publish(const std::shared_ptr<Link>& link, std::shared_ptr<Link>
     *superseded = it->second;  // the caller retires it (outside mu_)
   }
   links_[link->key] = link;
+  gen_.fetch_add(1, std::memory_order_release);
   if (!link->initiator) incoming_.erase(link->key);  // the incoming handshake's claim ends with the publication
   closed_links_.erase(link->key);
   return true;
 }
 
 void LinkTable::unpublish(const std::shared_ptr<Link>& link, const std::string& why, bool by_disconnect) {
-  std::lock_guard<std::mutex> g(mu_);
+  std::lock_guard<util::Mutex> g(mu_);
   auto it = links_.find(link->key);
   if (it != links_.end() && it->second == link) {
     links_.erase(it);
+    gen_.fetch_add(1, std::memory_order_release);
     if (!by_disconnect) {
       if (closed_links_.size() >= kMaxClosedRecords && !closed_links_.count(link->key))
         closed_links_.erase(closed_links_.begin());
@@ -103,7 +122,7 @@ void LinkTable::unpublish(const std::shared_ptr<Link>& link, const std::string& 
 }
 
 bool LinkTable::take_closed(const std::string& key, std::string* why) {
-  std::lock_guard<std::mutex> g(mu_);
+  std::lock_guard<util::Mutex> g(mu_);
   auto c = closed_links_.find(key);
   if (c == closed_links_.end()) return false;
   *why = std::move(c->second.second);
@@ -112,10 +131,11 @@ bool LinkTable::take_closed(const std::string& key, std::string* why) {
 }
 
 std::map<std::string, std::shared_ptr<Link>> LinkTable::close() {
-  std::lock_guard<std::mutex> g(mu_);
+  std::lock_guard<util::Mutex> g(mu_);
   closed_ = true;
   std::map<std::string, std::shared_ptr<Link>> out;
   out.swap(links_);
+  gen_.fetch_add(1, std::memory_order_release);
   return out;
 }
 

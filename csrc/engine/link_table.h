@@ -5,8 +5,12 @@
 //
 // Lock: `mu_`, guarding everything here; nothing else is taken while it is held (a link's own locks
 // neither: the handshake publishing a link holds that link's send_mu while it takes this one).
+// find() answers a thread's repeated lookup of one peer without it: `gen_` counts the changes of
+// `links_` (bumped under mu_), and the caller's last answer (a LinkLookup, kept per thread in
+// engine/thread_state.h) stands while gen_ has not moved.
 #pragma once
 
+#include <atomic>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -16,12 +20,26 @@
 #include <vector>
 
 #include "engine/link.h"
+#include "util/mutex.h"
 
 namespace hixl::engine {
 
+// One thread's last answer of LinkTable::find. The link is held weakly: a link taken out of the
+// table is not kept alive by a thread that looked it up once (only its memory block is, until that
+// thread's next lookup).
+struct LinkLookup {
+  uint64_t table = 0;  // LinkTable::id_ (ids are never reused, addresses can be)
+  uint64_t gen = 0;
+  std::string key;
+  std::weak_ptr<Link> link;
+};
+
 class LinkTable {
  public:
-  std::shared_ptr<Link> find(const std::string& key) const;
+  LinkTable();
+  // The current link to key, or null. last: the calling thread's last answer, to answer from while
+  // the table did not change, and updated here (null: look in the table).
+  std::shared_ptr<Link> find(const std::string& key, LinkLookup* last = nullptr) const;
   std::vector<std::shared_ptr<Link>> all() const;
   std::vector<std::string> keys() const;
   bool empty() const;
@@ -52,7 +70,9 @@ class LinkTable {
 
  private:
   static constexpr size_t kMaxClosedRecords = 4096;
-  mutable std::mutex mu_;
+  const uint64_t id_;  // unique in the process: names this table in each thread's last lookup
+  mutable util::Mutex mu_;
+  std::atomic<uint64_t> gen_{1};  // bumped whenever links_ changes
   bool closed_ = false;
   std::map<std::string, std::shared_ptr<Link>> links_;  // by canonical peer name
   std::set<std::string> connecting_;                    // our outgoing handshakes

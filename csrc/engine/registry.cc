@@ -32,7 +32,7 @@ std::pair<int, uint64_t> Registry::add(uint64_t addr, uint64_t len, MemType type
                                     ": access must combine REMOTE_READ (1) and REMOTE_WRITE (2) only"),
             0};
   {
-    std::lock_guard<std::mutex> g(mu_);  // the same range again: the same handle
+    std::lock_guard<util::Mutex> g(mu_);  // the same range again: the same handle
     auto it = by_range_.find({addr, len});
     if (it != by_range_.end()) return same_range(it->second, addr, len, access);
   }
@@ -48,7 +48,7 @@ std::pair<int, uint64_t> Registry::add(uint64_t addr, uint64_t len, MemType type
       return {fail(code, e.what()), 0};
     }
   }
-  std::lock_guard<std::mutex> g(mu_);
+  std::lock_guard<util::Mutex> g(mu_);
   if (closed_) return {fail(kFailed, "register_mem: the engine was finalized meanwhile"), 0};
   auto it = by_range_.find({addr, len});
   if (it != by_range_.end()) return same_range(it->second, addr, len, access);  // another thread won the race
@@ -71,7 +71,7 @@ int Registry::remove(uint64_t handle, bool* removed) {
   *removed = false;
   std::shared_ptr<verbs::MemoryRegion> mr;  // released after mu_ (ibv_dereg_mr can be slow)
   std::unique_lock<std::shared_mutex> data(data_mu_);  // a tcp peer's write into it finishes first
-  std::lock_guard<std::mutex> g(mu_);
+  std::lock_guard<util::Mutex> g(mu_);
   if (handle == 0 || handle >= next_handle_)
     return fail(kParamInvalid, "deregister_mem(handle=" + std::to_string(handle) + "): never issued");
   auto it = regions_.find(handle);
@@ -86,7 +86,7 @@ int Registry::remove(uint64_t handle, bool* removed) {
 }
 
 std::vector<wire::Region> Registry::regions(uint64_t* version) const {
-  std::lock_guard<std::mutex> g(mu_);
+  std::lock_guard<util::Mutex> g(mu_);
   if (version) *version = version_;
   std::vector<wire::Region> out;
   out.reserve(regions_.size());
@@ -98,7 +98,7 @@ std::vector<wire::Region> Registry::regions(uint64_t* version) const {
 }
 
 std::vector<wire::Extent> Registry::extents() const {
-  std::lock_guard<std::mutex> g(mu_);
+  std::lock_guard<util::Mutex> g(mu_);
   std::vector<wire::Extent> out;
   for (const auto& [h, r] : regions_)
     if (r.fd >= 0) out.push_back({r.addr, r.len, r.fd_offset, uint32_t(r.fd)});
@@ -107,7 +107,7 @@ std::vector<wire::Extent> Registry::extents() const {
 
 int Registry::resolve_local(const OpDesc* descs, size_t n, std::vector<rdma::Desc>* out) const {
   out->resize(n);
-  std::lock_guard<std::mutex> g(mu_);
+  std::lock_guard<util::Mutex> g(mu_);
   const RegionEntry* last = nullptr;
   for (size_t i = 0; i < n; ++i) {
     const OpDesc d = descs[i];
@@ -131,7 +131,7 @@ int Registry::resolve_local(const OpDesc* descs, size_t n, std::vector<rdma::Des
 
 size_t Registry::resolve_blocks(const uint64_t* addr, const uint64_t* len, size_t n, uint32_t* keys, uint8_t* flags,
                                 uint8_t ok_flag, uint64_t* version) const {
-  std::lock_guard<std::mutex> g(mu_);
+  std::lock_guard<util::Mutex> g(mu_);
   *version = version_;
   size_t first_bad = n;
   const RegionEntry* last = nullptr;
@@ -146,12 +146,12 @@ size_t Registry::resolve_blocks(const uint64_t* addr, const uint64_t* len, size_
 }
 
 bool Registry::allows(uint64_t addr, uint64_t len, uint32_t access) const {
-  std::lock_guard<std::mutex> g(mu_);
+  std::lock_guard<util::Mutex> g(mu_);
   return table_.find(addr, len, access) != nullptr;
 }
 
 void Registry::close() {
-  std::lock_guard<std::mutex> g(mu_);
+  std::lock_guard<util::Mutex> g(mu_);
   closed_ = true;
   regions_.clear();
   by_range_.clear();
@@ -159,7 +159,7 @@ void Registry::close() {
 }
 
 size_t Registry::size() const {
-  std::lock_guard<std::mutex> g(mu_);
+  std::lock_guard<util::Mutex> g(mu_);
   return regions_.size();
 }
 

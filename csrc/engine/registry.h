@@ -18,6 +18,7 @@
 
 #include "engine/region_table.h"
 #include "engine/types.h"
+#include "util/mutex.h"
 #include "verbs/resources.h"
 #include "wire/control.h"
 
@@ -72,7 +73,7 @@ class Registry {
   std::pair<int, uint64_t> same_range(uint64_t handle, uint64_t addr, uint64_t len, uint32_t access) const;
 
   std::shared_ptr<verbs::ProtectionDomain> pd_;
-  mutable std::mutex mu_;
+  mutable util::Mutex mu_;
   std::map<uint64_t, LocalRegion> regions_;
   std::map<std::pair<uint64_t, uint64_t>, uint64_t> by_range_;
   RegionTable table_;

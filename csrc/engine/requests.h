@@ -21,6 +21,7 @@
 #include "engine/link.h"
 #include "engine/metrics.h"
 #include "util/id_slab.h"
+#include "util/mutex.h"
 
 namespace hixl::engine {
 
@@ -78,13 +79,16 @@ class Requests {
   };
   // A request's status without consuming it from reqs_ (mu_ held); the path's is consumed.
   rdma::RequestResult poll_locked(Request& r);
-  // A request's terminal status was reported (mu_ held): log it, count it, drop it.
-  void end_locked(uint64_t id, Request& r, const rdma::RequestResult& res);
+  // A request's terminal status was reported (mu_ held): log it, count it, drop it. Returns its link
+  // for the caller to release after mu_: the last reference to a closed link may be this request's,
+  // and the link's teardown (its queue pairs, each of which the kernel may hold for a while when
+  // packets of it are still queued on a stalled NIC) must not stall every other request's status.
+  std::shared_ptr<Link> end_locked(uint64_t id, Request& r, const rdma::RequestResult& res);
 
   Metrics& metrics_;
   Metrics::LocalCounts counts_;  // the requests that ended, by op, transport and status (mu_)
-  mutable std::mutex mu_;
-  std::condition_variable cv_;
+  mutable util::Mutex mu_;
+  std::condition_variable_any cv_;
   util::IdSlab<Request> reqs_;
   // No live request has a deadline before this (a lower bound: expire() scans the table only once
   // it passed, then recomputes it), so the watchdog's tick costs nothing while nothing can expire.

@@ -4,6 +4,7 @@
 
 #include "engine/engine.h"
 #include "engine/internal.h"
+#include "engine/thread_state.h"
 #include "util/ticks.h"
 #include "verbs/error.h"
 #include "verbs/log.h"
@@ -23,9 +24,9 @@ int Engine::ensure_link(const std::string& key, int timeout_ms, std::shared_ptr<
 }
 
 int Engine::find_link(const std::string& remote, int timeout_ms, const char* call, std::shared_ptr<Link>* out,
-                      std::string* key) {
+                      std::string* key, LinkLookup* last) {
   // Links are kept under canonical names, and callers mostly pass one back: try it as given first.
-  if ((*out = links_.find(remote))) {
+  if ((*out = links_.find(remote, last))) {
     if (key) *key = remote;
     return kSuccess;
   }
@@ -61,7 +62,7 @@ int Engine::prepare(const std::shared_ptr<Link>& link, TransferOp op, const OpDe
   if (int rc = registry_.resolve_local(descs, n, out); rc != kSuccess) return refuse(Metrics::Refused::kRange, rc);
   const uint32_t need = op == TransferOp::kWrite ? wire::kRemoteWrite : wire::kRemoteRead;
   auto resolve = [&](size_t* bad) {
-    std::lock_guard<std::mutex> g(link->mu);
+    std::lock_guard<util::Mutex> g(link->mu);
     const RegionEntry* last = nullptr;
     for (size_t i = 0; i < n; ++i) {
       rdma::Desc& d = (*out)[i];  // the checked copy: what is posted is what was checked
@@ -82,7 +83,7 @@ int Engine::prepare(const std::shared_ptr<Link>& link, TransferOp op, const OpDe
   const rdma::Desc& d = (*out)[bad];
   bool in_a_region;  // but one without the access: refused for access, else for its range
   {
-    std::lock_guard<std::mutex> g(link->mu);
+    std::lock_guard<util::Mutex> g(link->mu);
     in_a_region = link->remote.find(d.remote_addr, d.length, 0) != nullptr;
   }
   metrics_.refused(in_a_region ? Metrics::Refused::kAccess : Metrics::Refused::kRange);
@@ -130,14 +131,8 @@ int Engine::submit_checks(TransferOp op, int64_t flag, const char* call) {
   return kSuccess;
 }
 
-namespace {
-// Scratch for a transfer's checked descriptors: reused by the thread, so a transfer allocates
-// nothing here once the thread has seen its largest one.
-std::vector<rdma::Desc>& scratch() {
-  thread_local std::vector<rdma::Desc> v;
-  return v;
-}
 
+namespace {
 uint64_t bytes_of(const std::vector<rdma::Desc>& rd) {
   uint64_t n = 0;
   for (const rdma::Desc& d : rd) n += d.length;
@@ -185,7 +180,8 @@ int Engine::run_sync(const std::shared_ptr<Link>& link, TransferOp op, const std
 
 std::pair<int, uint64_t> Engine::run_async(const std::shared_ptr<Link>& link, TransferOp op,
                                            const std::vector<rdma::Desc>& rd, uint64_t user_data, int64_t flag,
-                                           int timeout_ms, Clock::time_point start, const char* call) {
+                                           int timeout_ms, Clock::time_point start, const char* call,
+                                           ThreadState& ts) {
   const uint64_t t0 = util::ticks();
   uint64_t ep_req;
   try {
@@ -211,7 +207,8 @@ std::pair<int, uint64_t> Engine::run_async(const std::shared_ptr<Link>& link, Tr
                                          " requests not yet collected with get_transfer_status (this one was waited for)"),
             0};
   }
-  return {ok(), id};
+  ts.last_error.clear();  // ok(), without looking the thread's state up again
+  return {kSuccess, id};
 }
 
 int Engine::transfer_sync(const std::string& remote, TransferOp op, const OpDesc* descs, size_t n, int timeout_ms,
@@ -223,8 +220,10 @@ int Engine::transfer_sync(const std::string& remote, TransferOp op, const OpDesc
     if (int rc = submit_checks(op, flag, "transfer_sync"); rc != kSuccess) return rc;
     const auto deadline = Clock::now() + milliseconds(timeout_ms);
     std::shared_ptr<Link> link;
-    if (int rc = find_link(remote, timeout_ms, "transfer_sync", &link, nullptr); rc != kSuccess) return rc;
-    std::vector<rdma::Desc>& rd = scratch();
+    ThreadState& ts = thread_state();
+    if (int rc = find_link(remote, timeout_ms, "transfer_sync", &link, nullptr, &ts.last_link); rc != kSuccess)
+      return rc;
+    std::vector<rdma::Desc>& rd = ts.scratch;
     if (int rc = prepare(link, op, descs, n, deadline, &rd); rc != kSuccess) return rc;
     return run_sync(link, op, rd, deadline, timeout_ms, flag, "transfer_sync");
   } catch (const std::exception& e) {
@@ -240,10 +239,12 @@ std::pair<int, uint64_t> Engine::transfer_async(const std::string& remote, Trans
     if (timeout_ms < 0) timeout_ms = opts_.async_timeout_ms;
     if (int rc = submit_checks(op, flag, "transfer_async"); rc != kSuccess) return {rc, 0};
     std::shared_ptr<Link> link;
-    if (int rc = find_link(remote, 1000, "transfer_async", &link, nullptr); rc != kSuccess) return {rc, 0};
-    std::vector<rdma::Desc>& rd = scratch();
+    ThreadState& ts = thread_state();
+    if (int rc = find_link(remote, 1000, "transfer_async", &link, nullptr, &ts.last_link); rc != kSuccess)
+      return {rc, 0};
+    std::vector<rdma::Desc>& rd = ts.scratch;
     if (int rc = prepare(link, op, descs, n, start + milliseconds(1000), &rd); rc != kSuccess) return {rc, 0};
-    return run_async(link, op, rd, user_data, flag, timeout_ms, start, "transfer_async");
+    return run_async(link, op, rd, user_data, flag, timeout_ms, start, "transfer_async", ts);
   } catch (const std::exception& e) {
     return {fail(kFailed, "transfer_async(" + remote + "): " + e.what()), 0};
   }
@@ -273,7 +274,7 @@ std::pair<int, uint64_t> Engine::prep_descs(const std::string& remote, const uin
       if (int rc = find_link(remote, timeout_ms, "prep_descs", &link, &list->peer); rc != kSuccess) return {rc, 0};
       list->remote = true;
       auto resolve = [&] {
-        std::lock_guard<std::mutex> g(link->mu);
+        std::lock_guard<util::Mutex> g(link->mu);
         list->link = link;
         return list->resolve_remote_locked(*link);
       };
@@ -338,7 +339,7 @@ int Engine::build_prepped(TransferOp op, uint64_t local_list, const uint64_t* lo
         registry_.resolve_blocks(L->addr.data(), L->len.data(), L->size(), L->key.data(), L->flags.data(),
                                  DescList::kLocalOk, &L->version);
       {
-        std::lock_guard<std::mutex> g(link->mu);
+        std::lock_guard<util::Mutex> g(link->mu);
         if (R->link.lock() != link || R->version != link->remote_version) {
           R->resolve_remote_locked(*link);
           R->link = link;
@@ -399,7 +400,8 @@ int Engine::transfer_prepped_sync(TransferOp op, uint64_t local_list, const uint
     if (int rc = submit_checks(op, flag, call); rc != kSuccess) return rc;
     const auto deadline = Clock::now() + milliseconds(timeout_ms);
     std::shared_ptr<Link> link;
-    std::vector<rdma::Desc>& rd = scratch();
+    ThreadState& ts = thread_state();
+    std::vector<rdma::Desc>& rd = ts.scratch;
     if (int rc = build_prepped(op, local_list, local_idx, remote_list, remote_idx, n, timeout_ms, call, &link, &rd);
         rc != kSuccess)
       return rc;
@@ -419,11 +421,12 @@ std::pair<int, uint64_t> Engine::transfer_prepped_async(TransferOp op, uint64_t 
     if (timeout_ms < 0) timeout_ms = opts_.async_timeout_ms;
     if (int rc = submit_checks(op, flag, call); rc != kSuccess) return {rc, 0};
     std::shared_ptr<Link> link;
-    std::vector<rdma::Desc>& rd = scratch();
+    ThreadState& ts = thread_state();
+    std::vector<rdma::Desc>& rd = ts.scratch;
     if (int rc = build_prepped(op, local_list, local_idx, remote_list, remote_idx, n, 1000, call, &link, &rd);
         rc != kSuccess)
       return {rc, 0};
-    return run_async(link, op, rd, user_data, flag, timeout_ms, start, call);
+    return run_async(link, op, rd, user_data, flag, timeout_ms, start, call, ts);
   } catch (const std::exception& e) {
     return {fail(kFailed, std::string(call) + ": " + e.what()), 0};
   }

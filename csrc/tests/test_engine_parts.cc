@@ -1,12 +1,13 @@
 // The engine's parts, each alone (no device, no peer, no engine): the registry, the inbox, the
 // link table, the handshake limits, the request table (over a scripted data path), the slab behind
-// the request tables and the prepared descriptor lists. Their behaviour through the engine is covered by pytest.
+// the request tables, the lock of the request path (util::Mutex) and the prepared descriptor lists. Their behaviour through the engine is covered by pytest.
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <chrono>
+#include <future>
 #include <thread>
 #include <vector>
 
@@ -17,8 +18,9 @@
 #include "engine/link_table.h"
 #include "engine/registry.h"
 #include "engine/requests.h"
-#include "util/ticks.h"
 #include "util/id_slab.h"
+#include "util/mutex.h"
+#include "util/ticks.h"
 
 using namespace hixl;
 using namespace hixl::engine;
@@ -199,8 +201,61 @@ void link_table() {
   CHECK(t.claim_incoming(peer, self, true, 7, &code).find("finalizing") != std::string::npos && code == kFailed);
 }
 
+// find() answers a caller's repeated lookup from its last answer (LinkLookup) while the table did not
+// change: that answer never outlives a change, is never another table's, and keeps no link alive.
+void link_table_lookups() {
+  LinkTable t1, t2;
+  LinkLookup last;  // this thread's, as the engine keeps one per thread
+  const std::string peer = "10.0.0.2:5000";
+  auto a = make_link(peer, 1, true), b = make_link(peer, 2, true);
+  CHECK(t1.publish(a, nullptr) && t2.publish(b, nullptr));
+  CHECK(t1.find(peer, &last) == a && last.key == peer && last.link.lock() == a);
+  for (int i = 0; i < 3; ++i) CHECK(t1.find(peer, &last) == a && t2.find(peer, &last) == b);
+  CHECK(!t1.find("10.0.0.9:5000", &last) && t1.find(peer, &last) == a);
+  // Another thread's change is seen by this thread's next lookup.
+  auto c = make_link(peer, 3, true);
+  std::thread([&] {
+    std::shared_ptr<Link> old;
+    CHECK(t1.publish(c, &old) && old == a);
+    t1.unpublish(a, "superseded", false);
+  }).join();
+  CHECK(t1.find(peer, &last) == c);
+  std::thread([&] { t1.unpublish(c, "gone", false); }).join();
+  CHECK(!t1.find(peer, &last));
+  // A link taken out and dropped by everyone else is gone, though this thread looked it up last.
+  std::weak_ptr<Link> wb = b;
+  CHECK(t2.find(peer, &last) == b);
+  t2.unpublish(b, "gone", true);
+  b.reset();
+  CHECK(wb.expired() && !t2.find(peer, &last));
+  // Threads looking up while another publishes and unpublishes: each answer is a link of that name
+  // that was in the table, never one of another table.
+  std::atomic<bool> stop{false};
+  std::atomic<int> bad{0};
+  std::vector<std::thread> readers;
+  for (int r = 0; r < 2; ++r)
+    readers.emplace_back([&] {
+      LinkLookup mine;
+      while (!stop) {
+        auto l = t1.find(peer, &mine);
+        if (l && (l->key != peer || l->id < 100)) ++bad;
+      }
+    });
+  for (uint64_t i = 100; i < 2100; ++i) {
+    auto l = make_link(peer, i, true);
+    std::shared_ptr<Link> old;
+    CHECK(t1.publish(l, &old));
+    if (old) t1.unpublish(old, "superseded", false);
+  }
+  stop = true;
+  for (auto& r : readers) r.join();
+  CHECK_EQ(bad.load(), 0);
+  auto newest = t1.find(peer, &last);
+  CHECK(newest && newest->id == 2099);
+}
+
 // A data path whose requests end when the test says so.
-class FakePath final : public transport::DataPath {
+class FakePath : public transport::DataPath {
  public:
   const char* name() const override { return "fake"; }
   uint64_t submit(transport::Op, const std::vector<transport::Desc>&, std::chrono::milliseconds, transport::Flag) override {
@@ -301,7 +356,7 @@ void requests() {
   // A failure says why, when its link went down.
   const uint64_t r2 = rq.add(link, path->submit(transport::Op::kRead, {}, std::chrono::milliseconds(-1), {}), 0, 0, never);
   {
-    std::lock_guard<std::mutex> g(link->mu);
+    std::lock_guard<util::Mutex> g(link->mu);
     link->down = true;
     link->down_reason = "heartbeat";
   }
@@ -345,6 +400,56 @@ void requests() {
   CHECK(td->status == TransferStatus::kFailed && td->error.find("did not confirm") != std::string::npos);
   rq.clear();
   CHECK(rq.all(10, false).empty());
+}
+
+// A path whose teardown takes long (the kernel holding a queue pair whose packets sit on a stalled
+// NIC): it waits in its destructor until released, at most 10 s.
+class SlowTeardownPath final : public FakePath {
+ public:
+  SlowTeardownPath(std::promise<void>* entered, std::shared_future<void> release, bool* released_in_time)
+      : entered_(entered), release_(std::move(release)), released_in_time_(released_in_time) {}
+  ~SlowTeardownPath() override {
+    entered_->set_value();
+    *released_in_time_ = release_.wait_for(std::chrono::seconds(10)) == std::future_status::ready;
+  }
+
+ private:
+  std::promise<void>* entered_;
+  std::shared_future<void> release_;
+  bool* released_in_time_;
+};
+
+// The request that ends holds the last reference to its closed link: the link's teardown runs in
+// that status call, and must not hold up the status of every other request meanwhile.
+void requests_release_links_outside_the_lock() {
+  Metrics m;
+  Requests rq(m);
+  const auto never = Clock::time_point::max();
+  std::promise<void> entered, release;
+  bool released_in_time = false;
+  uint64_t slow_req;
+  {
+    auto link = make_link("10.0.0.5:5000", 5, true);
+    auto path = std::make_shared<SlowTeardownPath>(&entered, release.get_future().share(), &released_in_time);
+    link->path = path;
+    const uint64_t p = path->submit(transport::Op::kWrite, {}, std::chrono::milliseconds(-1), {});
+    path->end(p, TransferStatus::kFailed);
+    slow_req = rq.add(link, p, 1, 0, never);
+  }  // from here the request holds the link's last reference
+  auto other = make_link("10.0.0.6:5000", 6, true);
+  auto other_path = std::make_shared<FakePath>();
+  other->path = other_path;
+  const uint64_t p = other_path->submit(transport::Op::kWrite, {}, std::chrono::milliseconds(-1), {});
+  other_path->end(p, TransferStatus::kCompleted);
+  const uint64_t other_req = rq.add(other, p, 2, 0, never);
+  std::thread ender([&] { CHECK(rq.status(slow_req)->status == TransferStatus::kFailed); });
+  entered.get_future().wait();  // the ender is inside the link's teardown
+  auto st = rq.status(other_req);  // before the teardown is released
+  auto listed = rq.all(10, false);
+  release.set_value();
+  ender.join();
+  CHECK(st && st->status == TransferStatus::kCompleted && listed.empty());
+  CHECK(released_in_time);  // false: the calls above waited for the teardown
 }
 
 void handshakes() {
@@ -393,6 +498,77 @@ void id_slab() {
   size_t seen = 0;
   s.for_each([&](uint64_t, std::string&) { ++seen; });
   CHECK_EQ(seen, size_t(2));
+  // emplace(): filled in place; a reused slot holds what erase() left (here: T()).
+  auto [d, pd] = s.emplace();
+  CHECK(d > c && pd && pd->empty() && s.find(d) == pd && s.size() == 3);
+  *pd = "d";
+  s.erase(d);
+  auto [e, pe] = s.emplace();
+  CHECK(e > d && pe == pd && pe->empty());
+  // Across many chunks of slots: every value found where it was put, none moved, all erased.
+  std::vector<std::pair<uint64_t, std::string*>> many;
+  for (int i = 0; i < 1000; ++i) {
+    const uint64_t id = s.add(std::to_string(i));
+    many.push_back({id, s.find(id)});
+  }
+  CHECK_EQ(s.size(), size_t(1003));
+  bool all_there = true;
+  for (size_t i = 0; i < many.size(); ++i)
+    all_there &= s.find(many[i].first) == many[i].second && *many[i].second == std::to_string(i);
+  CHECK(all_there);
+  for (auto& [id, v] : many) s.erase(id);
+  seen = 0;
+  s.for_each([&](uint64_t, std::string&) { ++seen; });
+  CHECK(seen == 3 && s.size() == 3 && !s.find(many[500].first));
+  s.clear();
+  CHECK(s.size() == 0 && !s.find(b) && s.add("again") != 0);
+}
+
+// util::Mutex: mutual exclusion under contention (more threads than cores, so holders are
+// preempted and waiters sleep on the futex), try_lock, and a condition_variable_any over it.
+void mutex() {
+  util::Mutex mu;
+  uint64_t counter = 0;  // plain: only the lock keeps the increments whole
+  std::vector<std::thread> ts;
+  for (int t = 0; t < 4; ++t)
+    ts.emplace_back([&] {
+      for (int i = 0; i < 200000; ++i) {
+        std::lock_guard<util::Mutex> g(mu);
+        ++counter;
+      }
+    });
+  for (auto& t : ts) t.join();
+  CHECK_EQ(counter, uint64_t(800000));
+  CHECK(mu.try_lock());
+  bool other_got_it = true;
+  std::thread([&] { other_got_it = mu.try_lock(); }).join();
+  CHECK(!other_got_it);
+  mu.unlock();
+  std::thread([&] {
+    other_got_it = mu.try_lock();
+    if (other_got_it) mu.unlock();
+  }).join();
+  CHECK(other_got_it);
+  // Ping-pong over a condition variable: every hand-over is seen, none lost.
+  std::condition_variable_any cv;
+  int turn = 0;
+  const int rounds = 2000;
+  std::thread pong([&] {
+    for (int i = 0; i < rounds; ++i) {
+      std::unique_lock<util::Mutex> lk(mu);
+      cv.wait(lk, [&] { return turn % 2 == 1; });
+      ++turn;
+      cv.notify_all();
+    }
+  });
+  for (int i = 0; i < rounds; ++i) {
+    std::unique_lock<util::Mutex> lk(mu);
+    cv.wait(lk, [&] { return turn % 2 == 0; });
+    ++turn;
+    cv.notify_all();
+  }
+  pong.join();
+  CHECK_EQ(turn, 2 * rounds);
 }
 
 // A remote list resolves each block against the peer's regions by access, keeps going past a block
@@ -420,12 +596,15 @@ void desc_lists() {
 
 int main() {
   id_slab();
+  mutex();
   desc_lists();
   registry();
   inbox();
   link_table();
+  link_table_lookups();
   handshakes();
   metrics();
   requests();
+  requests_release_links_outside_the_lock();
   return report("test_engine_parts");
 }

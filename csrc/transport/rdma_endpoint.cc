@@ -127,12 +127,12 @@ LocalInfo Endpoint::local_info() const {
 }
 
 std::optional<wire::Hello> Endpoint::remote() const {
-  std::lock_guard<std::mutex> g(mu_);
+  std::lock_guard<util::Mutex> g(mu_);
   return remote_;
 }
 
 void Endpoint::connect(const wire::Hello& r) {
-  std::lock_guard<std::mutex> g(mu_);
+  std::lock_guard<util::Mutex> g(mu_);
   if (closed_) throw Error("Endpoint::connect: endpoint is closed");
   if (connected_) throw Error("Endpoint::connect: already connected to qpn " + std::to_string(remote_->qpn));
   if (r.qpn == 0 || r.qpn > 0xffffff) throw Error("Endpoint::connect: remote qpn " + std::to_string(r.qpn) + " out of range");
@@ -380,17 +380,19 @@ void Endpoint::retire_completed_locked() {
     inflight_.pop_front();
     any = true;
   }
-  if (any) cv_.notify_all();
+  if (any && cv_waiters_) cv_.notify_all();
 }
 
-bool Endpoint::block_locked(std::unique_lock<std::mutex>& lk, Clock::time_point deadline) {
+bool Endpoint::block_locked(std::unique_lock<util::Mutex>& lk, Clock::time_point deadline) {
   // One thread at a time sleeps on the completion channel and reaps what woke it; the others wait
   // on cv_, which every retirement signals. No waiter can miss a completion another thread reaped.
   auto now = Clock::now();
   if (now >= deadline) return false;
   auto slice = std::min<Clock::duration>(deadline - now, milliseconds(100));
   if (channel_waiter_) {
+    ++cv_waiters_;
     cv_.wait_for(lk, slice);
+    --cv_waiters_;
     return true;
   }
   channel_waiter_ = true;
@@ -405,22 +407,22 @@ bool Endpoint::block_locked(std::unique_lock<std::mutex>& lk, Clock::time_point 
   lk.lock();
   channel_waiter_ = false;
   if (connected_ && !closed_) progress_locked(int(sq_depth_));
-  cv_.notify_all();
+  if (cv_waiters_) cv_.notify_all();
   return true;
 }
 
 int Endpoint::progress(int budget) {
-  std::lock_guard<std::mutex> g(mu_);
+  std::lock_guard<util::Mutex> g(mu_);
   if (!connected_ || closed_) return 0;
   return progress_locked(budget);
 }
 
 uint32_t Endpoint::outstanding() const {
-  std::lock_guard<std::mutex> g(mu_);
+  std::lock_guard<util::Mutex> g(mu_);
   return uint32_t(next_seq_ - completed_seq_);
 }
 
-bool Endpoint::wait_for_room_locked(std::unique_lock<std::mutex>& lk, uint32_t need, Clock::time_point deadline) {
+bool Endpoint::wait_for_room_locked(std::unique_lock<util::Mutex>& lk, uint32_t need, Clock::time_point deadline) {
   // Caller holds mu_. Reap completions until `need` slots are free; block between. False on deadline.
   ++stats_.backpressure_waits;
   auto spin_until = Clock::now() + spin_window_locked();  // as wait_done()
@@ -458,13 +460,16 @@ uint64_t Endpoint::submit(Op op, const std::vector<Desc>& descs, uint32_t imm, m
   }
   const bool pure_flag = op == Op::kWriteImm && total == 0;  // zero-length write-with-imm
   if (pure_flag) total = 1;
-  std::unique_lock<std::mutex> lk(mu_);
+  std::unique_lock<util::Mutex> lk(mu_);
   check_usable_locked();
-  uint64_t id = reqs_.add(Req{Status::kWaiting, deadline_after(timeout), {}});
+  auto [id, slot] = reqs_.emplace();  // stays valid while mu_ is dropped to wait for room (IdSlab's slots never move)
   if (!id)
     throw Error(CallDesc("submit").arg("op", op_name(op)).arg("outstanding_requests", reqs_.size()).str() +
                 ": too many requests not yet collected with status()/wait()", EAGAIN);
-  Req& req = *reqs_.find(id);  // stays valid while mu_ is dropped to wait for room (IdSlab's deque)
+  Req& req = *slot;  // filled in place (a reused slot keeps old values)
+  req.status = Status::kWaiting;
+  req.deadline = deadline_after(timeout);
+  req.error.clear();
 
   if (total == 0) {
     req.status = Status::kCompleted;
@@ -590,7 +595,7 @@ RequestResult Endpoint::status_locked(uint64_t id) {
 }
 
 RequestResult Endpoint::status(uint64_t id) {
-  std::lock_guard<std::mutex> g(mu_);
+  std::lock_guard<util::Mutex> g(mu_);
   return status_locked(id);
 }
 
@@ -613,7 +618,7 @@ bool Endpoint::wait_done(uint64_t id, milliseconds timeout) {
   // gap between completions when that is longer (a slow link or a software device), at most
   // kMaxSpinUs. An idle wait costs at most that much CPU; a streaming one never sleeps.
   auto deadline = deadline_after(timeout);
-  std::unique_lock<std::mutex> lk(mu_);
+  std::unique_lock<util::Mutex> lk(mu_);
   auto spin_until = Clock::now() + spin_window_locked();
   uint64_t seen = completed_seq_;
   for (;;) {
@@ -654,7 +659,7 @@ void Endpoint::post_recvs(uint32_t n) {
 
 void Endpoint::handle_recv_wc(const ibv_wc& wc, std::vector<uint32_t>& out) {
   if (wc.status != IBV_WC_SUCCESS) {
-    std::lock_guard<std::mutex> g(mu_);
+    std::lock_guard<util::Mutex> g(mu_);
     if (!closed_) mark_dead_locked(std::string("receive completion failed: ") + verbs::wc_to_string(wc));
     return;
   }
@@ -700,12 +705,12 @@ std::optional<uint32_t> Endpoint::wait_imm(milliseconds timeout) {
 }
 
 std::string Endpoint::dead_reason() const {
-  std::lock_guard<std::mutex> g(mu_);
+  std::lock_guard<util::Mutex> g(mu_);
   return dead_reason_;
 }
 
 Stats Endpoint::stats() const {
-  std::lock_guard<std::mutex> g(mu_);
+  std::lock_guard<util::Mutex> g(mu_);
   Stats s = stats_;
   s.imm_received = imm_received_;
   return s;
@@ -715,7 +720,7 @@ void Endpoint::close() {
   if (closed_.exchange(true)) return;
   listener_.shutdown();  // wakes a concurrent accept(); the fd itself is closed by the destructor
   if (!qp_) return;
-  std::lock_guard<std::mutex> g(mu_);
+  std::lock_guard<util::Mutex> g(mu_);
   qp_->to_error();  // hardware flushes in-flight work
   // Reap what finished before the flush; the first flushed (or failed) completion ends the drain.
   auto deadline = Clock::now() + milliseconds(500);

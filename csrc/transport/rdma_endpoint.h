@@ -17,6 +17,7 @@
 
 #include "transport/oob.h"
 #include "util/id_slab.h"
+#include "util/mutex.h"
 #include "verbs/device.h"
 #include "verbs/resources.h"
 #include "wire/wire.h"
@@ -152,7 +153,7 @@ class Endpoint {
   RequestResult status_locked(uint64_t req);
   bool done_locked(uint64_t req);  // terminal (or unknown) without consuming it
   // Sleeps (mu_ released) until completions may have moved or the deadline; false once it passed.
-  bool block_locked(std::unique_lock<std::mutex>& lk, std::chrono::steady_clock::time_point deadline);
+  bool block_locked(std::unique_lock<util::Mutex>& lk, std::chrono::steady_clock::time_point deadline);
   void fail_all_locked(const std::string& why);
   void post_recvs(uint32_t n);
   void handle_recv_wc(const ibv_wc& wc, std::vector<uint32_t>& out);
@@ -160,7 +161,7 @@ class Endpoint {
   // How long a waiter spins without seeing a completion before it blocks (wait_done()).
   Clock::duration spin_window_locked() const;
   void note_progress_locked(Clock::time_point now);  // a waiter saw completions arrive at `now`
-  bool wait_for_room_locked(std::unique_lock<std::mutex>& lk, uint32_t need,
+  bool wait_for_room_locked(std::unique_lock<util::Mutex>& lk, uint32_t need,
                             std::chrono::steady_clock::time_point deadline);
 
   EndpointOptions opts_;
@@ -186,8 +187,9 @@ class Endpoint {
   std::optional<wire::Hello> remote_;
   oob::Socket listener_;
 
-  mutable std::mutex mu_;  // send side: sequence numbers, requests, send-CQ polling
-  std::condition_variable cv_;   // signaled whenever requests retire or fail
+  mutable util::Mutex mu_;  // send side: sequence numbers, requests, send-CQ polling
+  std::condition_variable_any cv_;  // signaled whenever requests retire or fail, when someone waits on it
+  uint32_t cv_waiters_ = 0;         // threads in cv_.wait_for (mu_): a retirement with none skips the notify
   bool channel_waiter_ = false;
   static constexpr int kMaxSpinUs = 200;   // the longest spin window, and the longest gap counted
   Clock::time_point last_progress_{};      // when a waiter last saw completions arrive

@@ -1,7 +1,9 @@
 // IdSlab<T>: the table of live requests (engine requests, endpoint requests, queued-path jobs)
-// without a heap allocation or a tree insert per request. Slots live in a deque (a reference to a
-// live value stays valid while others are added, so a caller may drop its lock and use it again)
-// and are reused through a free list; an id is (sequence << kIndexBits) | slot index, so
+// without a heap allocation or a tree insert per request. Slots live in chunks of kChunk, allocated
+// as the table grows and kept (a reference to a live value stays valid while others are added, so a
+// caller may drop its lock and use it again; finding slot i is a shift and a mask, where a
+// std::deque of a request-sized T divides by its few-element node size on every access), and are
+// reused through a free list; an id is (sequence << kIndexBits) | slot index, so
 //   - lookup is one index and one compare (a stale id, whose slot was reused, does not match),
 //   - ids grow with issue order (sorting live ids gives "oldest first"),
 //   - an id is never handed out twice (the sequence only grows; 2^40 ids per table).
@@ -10,7 +12,7 @@
 #pragma once
 
 #include <cstdint>
-#include <deque>
+#include <memory>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -26,27 +28,35 @@ class IdSlab {
 
   // A new live slot holding value; its id (never 0), or 0 when kMaxLive slots are live.
   uint64_t add(T value) {
+    auto [id, v] = emplace();
+    if (id) *v = std::move(value);
+    return id;
+  }
+  // A new live slot, filled by the caller in place: {its id, its value}, or {0, null} when kMaxLive
+  // slots are live. The value is a new T, or what erase() left of a reused slot's (on_erase() or T()):
+  // the caller sets every field it reads later.
+  std::pair<uint64_t, T*> emplace() {
     uint64_t index;
     if (!free_.empty()) {
       index = free_.back();
       free_.pop_back();
     } else {
-      if (slots_.size() >= kMaxLive) return 0;
-      index = slots_.size();
-      slots_.emplace_back();
+      if (count_ >= kMaxLive) return {0, nullptr};
+      index = count_;
+      if ((index & kChunkMask) == 0) chunks_.push_back(std::make_unique<Slot[]>(kChunk));
+      ++count_;
     }
     const uint64_t id = (next_seq_++ << kIndexBits) | index;
-    Slot& s = slots_[size_t(index)];
+    Slot& s = slot(index);
     s.id = id;
-    s.value = std::move(value);
     ++live_;
-    return id;
+    return {id, &s.value};
   }
   // The live value with this id, or null (never issued, or erased).
   T* find(uint64_t id) {
     const uint64_t index = id & kIndexMask;
-    if (index >= slots_.size()) return nullptr;
-    Slot& s = slots_[size_t(index)];
+    if (index >= count_) return nullptr;
+    Slot& s = slot(index);
     return s.id == id && id != 0 ? &s.value : nullptr;
   }
   const T* find(uint64_t id) const { return const_cast<IdSlab*>(this)->find(id); }
@@ -56,7 +66,7 @@ class IdSlab {
     T* v = find(id);
     if (!v) return;
     const uint64_t index = id & kIndexMask;
-    slots_[size_t(index)].id = 0;
+    slot(index).id = 0;
     if constexpr (has_on_erase<T>::value)
       v->on_erase();  // the type drops what it holds itself (cheaper than building a T())
     else
@@ -67,13 +77,16 @@ class IdSlab {
   // fn(id, value) for every live slot, in slot order (not issue order: sort ids for that).
   template <class Fn>
   void for_each(Fn fn) {
-    for (Slot& s : slots_)
+    for (uint64_t i = 0; i < count_; ++i) {
+      Slot& s = slot(i);
       if (s.id) fn(s.id, s.value);
+    }
   }
   size_t size() const { return live_; }
   void clear() {
-    slots_.clear();
+    chunks_.clear();
     free_.clear();
+    count_ = 0;
     live_ = 0;
   }
 
@@ -86,7 +99,13 @@ class IdSlab {
     uint64_t id = 0;  // 0: free
     T value{};
   };
-  std::deque<Slot> slots_;
+  static constexpr unsigned kChunkBits = 6;
+  static constexpr uint64_t kChunk = uint64_t(1) << kChunkBits;
+  static constexpr uint64_t kChunkMask = kChunk - 1;
+  Slot& slot(uint64_t index) { return chunks_[size_t(index >> kChunkBits)][size_t(index & kChunkMask)]; }
+
+  std::vector<std::unique_ptr<Slot[]>> chunks_;  // slot i: chunks_[i / kChunk][i % kChunk]
+  uint64_t count_ = 0;                           // slots made so far (live or on the free list)
   std::vector<uint64_t> free_;
   uint64_t next_seq_ = 1;
   size_t live_ = 0;
