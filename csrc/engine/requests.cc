@@ -141,9 +141,10 @@ void Requests::add_counts_to(Metrics::Snapshot* s) const {
 }
 
 void Requests::clear() {
-  util::IdSlab<Request> gone;  // released after mu_ (see end_locked)
+  std::vector<std::shared_ptr<Link>> links;  // released after mu_ (see end_locked)
   std::lock_guard<util::Mutex> g(mu_);
-  std::swap(gone, reqs_);
+  reqs_.for_each([&](uint64_t, Request& r) { links.push_back(std::move(r.link)); });
+  reqs_.clear();  // keeps its sequence: an id issued before is never issued again
   next_deadline_ = Clock::time_point::max();
 }
 

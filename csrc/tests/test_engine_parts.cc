@@ -400,6 +400,8 @@ void requests() {
   CHECK(td->status == TransferStatus::kFailed && td->error.find("did not confirm") != std::string::npos);
   rq.clear();
   CHECK(rq.all(10, false).empty());
+  // Ids keep growing across clear(): one issued before is never issued again.
+  CHECK(rq.add(link3, path3->submit(transport::Op::kWrite, {}, std::chrono::milliseconds(-1), {}), 6, 0, never) > d);
 }
 
 // A path whose teardown takes long (the kernel holding a queue pair whose packets sit on a stalled
