@@ -31,6 +31,9 @@
 //                         (held across add_link(), so that the link's first frame is our READY)
 //   Link::send_mu      -> Link::out_mu (its queue of replies: written in order by whoever holds send_mu)
 // No lock is held across a network wait, except send_mu for one frame (bounded by its deadline).
+// The locks on the request path (Registry::mu_, LinkTable::mu_, Link::mu, Requests::mu_ and the rdma
+// endpoint's send-side lock) are util::Mutex (util/mutex.h), the others std::mutex. A thread's repeated
+// lookup of one peer's link takes no lock (LinkTable::find with the thread's LinkLookup).
 //
 // Threads: an acceptor accepts peers and hands each handshake to a worker thread of its own
 // (bounded by a deadline and by kMaxHandshakes); the progress thread serves the control connections,
