@@ -17,6 +17,7 @@ import pytest
 import hixl
 from hixl import SUCCESS, TransferOpDesc, WRITE
 from hixl import kv
+from tests.engine_pair import _until
 
 TRANSPORTS = [pytest.param("rdma", marks=pytest.mark.rdma), "shm", "tcp"]
 LAYOUT = kv.KVLayout(n_layers=6, n_kv_heads=3, head_dim=8, dtype="float32", block_tokens=4)
@@ -384,9 +385,7 @@ def test_a_decoder_that_goes_away_fails_the_push_not_hangs(rig):
     # The sender learns it when its progress thread reads the closed control connection. Until then a
     # push over shm lands in memory that is still mapped here (the decoder is this process), so wait
     # for that, bounded, instead of racing it with pushes faster than a thread switch.
-    until = time.monotonic() + 10
-    while tx.engine.get_transport(decoder)[0] == SUCCESS and time.monotonic() < until:
-        time.sleep(0.01)
+    _until(lambda: tx.engine.get_transport(decoder)[0] != SUCCESS, 10, "the sender to see the decoder's link close")
     t0 = time.monotonic()
     with pytest.raises(kv.TransferFailed):
         for layer in range(1, LAYOUT.n_layers):
