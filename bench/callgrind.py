@@ -73,7 +73,8 @@ def _side_main(role: str, path: str, transport: str) -> int:
             reply(ready=True)
     else:
         e = hixl.Hixl()
-        if e.initialize("127.0.0.1:0", {"HixlTransport": transport}) != hixl.SUCCESS:
+        # One queue pair, as perftest (on Soft-RoCE the engine's default is 4: a lossy link's).
+        if e.initialize("127.0.0.1:0", {"HixlTransport": transport, "HixlRdmaQpsPerLink": "1"}) != hixl.SUCCESS:
             reply(error="initialize: " + e.last_error())
             return 1
         if e.register_mem(hixl.MemDesc(addr, SPAN))[0] != hixl.SUCCESS:

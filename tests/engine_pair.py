@@ -45,7 +45,7 @@ def _addr(a: np.ndarray) -> int:
 def _engine(options=None, listen=True, remote=False):
     """An initialized engine on this host, or (remote, in the two-host tier) on the other one."""
     opts = {"HixlTransport": HOSTS.transport}
-    if HOSTS.qps > 1:
+    if HOSTS.transport == "rdma":  # explicit: on Soft-RoCE the engine's default is 4 (test_rdma_defaults.py)
         opts["HixlRdmaQpsPerLink"] = str(HOSTS.qps)
     opts.update(options or {})
     if remote and HOSTS.remote is not None:

@@ -65,6 +65,16 @@ while [ "${#RC[@]}" -lt 2 ]; do
             log "killing guest $r on request (kill.$r)"
             kill -KILL -- "-${PID[$r]}" 2>/dev/null; touch "$ST/killed.$r"
         fi
+        # ... or to freeze it (a host that hangs: its QEMU stopped, its NIC silent, its sockets open)
+        # and, later, to let it go on
+        if [ -e "$ST/stop.$r" ] && [ -z "${RC[$r]+x}" ]; then
+            log "freezing guest $r on request (stop.$r)"
+            rm -f "$ST/stop.$r"; kill -STOP -- "-${PID[$r]}" 2>/dev/null; touch "$ST/stopped.$r"
+        fi
+        if [ -e "$ST/cont.$r" ] && [ -z "${RC[$r]+x}" ]; then
+            log "resuming guest $r on request (cont.$r)"
+            rm -f "$ST/cont.$r" "$ST/stopped.$r"; kill -CONT -- "-${PID[$r]}" 2>/dev/null; touch "$ST/resumed.$r"
+        fi
     done
     for r in A B; do
         [ -n "${RC[$r]+x}" ] && continue
@@ -87,7 +97,7 @@ while [ "${#RC[@]}" -lt 2 ]; do
         done
         deadline=""
     fi
-    sleep 1
+    sleep 0.2  # a guest's kill/stop/cont request is acted on within this
 done
 for r in A B; do
     g="$(cat "$ST/$r.rc" 2>/dev/null || echo none)"

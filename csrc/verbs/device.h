@@ -51,6 +51,10 @@ class Context {
   ibv_context* get() const { return ctx_; }
   const std::string& name() const { return name_; }
   const ibv_device_attr& attr() const { return attr_; }
+  // Soft-RoCE (the kernel's rdma_rxe, vendor id 0xffffff): RoCE in software over an ordinary, lossy
+  // Ethernet NIC, with go-back-N retransmission driven by a coarse timer.
+  bool soft_roce() const { return attr_.vendor_id == kSoftRoceVendorId; }
+  static constexpr uint32_t kSoftRoceVendorId = 0xffffff;  // RXE_VENDOR_ID (kernel rxe_param.h)
   PortInfo query_port(uint8_t port) const;
   // Explicit index, else $HIXL_GID_INDEX, else a RoCEv2 IPv4-mapped GID, else RoCEv2, else index 0.
   int select_gid_index(uint8_t port, int requested = -1) const;

@@ -291,9 +291,7 @@ class Server:
         if not isinstance(qps, int) or not 1 <= qps <= 16:
             raise ValueError("engine target: qps must be 1..16")
         e = hixl.Hixl()
-        opts = {"HixlTransport": transport}
-        if qps > 1:
-            opts["HixlRdmaQpsPerLink"] = str(qps)
+        opts = {"HixlTransport": transport, "HixlRdmaQpsPerLink": str(qps)}  # explicit: 4 is rxe's default
         if self.a.device:
             opts["HixlDevice"] = self.a.device
         if self.a.gid_index is not None:
