@@ -63,8 +63,8 @@ class DataPath {
 // all of them, and the receiving side hands it on once it arrived on all of them: each queue pair's
 // immediate follows its own earlier writes, so all of them together follow every byte of the request
 // and of those submitted before it.
-// A thread per queue pair waits on its receive completion channel for the peer's immediates (its
-// completion flags) and hands them to `sink`; close() joins them.
+// One thread per link waits on its queue pairs' receive completion channels (one poll()) for the
+// peer's immediates (its completion flags) and hands them to `sink`; close() joins it.
 class RdmaPath final : public DataPath {
  public:
   static constexpr size_t kMaxQps = 16;
@@ -88,14 +88,14 @@ class RdmaPath final : public DataPath {
     std::string error;
     void on_erase() { error.clear(); }
   };
-  void flags_loop(size_t qp);
+  void flags_loop();
   void on_imm(size_t qp, uint32_t v);
   void note_locked(Striped& s, size_t k, Result r);
 
   std::vector<std::shared_ptr<rdma::Endpoint>> eps_;
   FlagSink sink_;
   std::atomic<bool> stop_{false};
-  std::vector<std::thread> flags_;
+  std::thread flags_;
   std::mutex join_mu_;
   // Striped links only.
   std::mutex mu_;        // reqs_, next_qp_

@@ -704,6 +704,10 @@ std::optional<uint32_t> Endpoint::wait_imm(milliseconds timeout) {
   }
 }
 
+int Endpoint::imm_fd() const { return recv_ch_->fd(); }
+
+void Endpoint::imm_event() { recv_cq_->wait_event(milliseconds(0)); }
+
 std::string Endpoint::dead_reason() const {
   std::lock_guard<util::Mutex> g(mu_);
   return dead_reason_;

@@ -127,6 +127,11 @@ class Endpoint {
   // Immediates from the peer's WRITE_WITH_IMM (receives are replenished automatically).
   std::vector<uint32_t> poll_imm(size_t max);
   std::optional<uint32_t> wait_imm(std::chrono::milliseconds timeout);
+  // For one thread that waits on several endpoints' immediates at once (RdmaPath): the receive
+  // completion channel's fd, readable when an immediate may have come; once it is, imm_event()
+  // consumes the event and re-arms the CQ, then poll_imm() collects what came.
+  int imm_fd() const;
+  void imm_event();
 
   bool dead() const { return dead_; }
   bool closed() const { return closed_; }

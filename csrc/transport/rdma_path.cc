@@ -1,5 +1,8 @@
 // RdmaPath (data_path.h): one link's requests over one RC queue pair, or striped over several.
+#include <poll.h>
+
 #include <algorithm>
+#include <cerrno>
 
 #include "transport/data_path.h"
 #include "verbs/error.h"
@@ -19,23 +22,58 @@ RdmaPath::RdmaPath(std::vector<std::shared_ptr<rdma::Endpoint>> eps, FlagSink si
   if (eps_.empty() || eps_.size() > kMaxQps || std::find(eps_.begin(), eps_.end(), nullptr) != eps_.end())
     throw Error("rdma path: needs 1.." + std::to_string(kMaxQps) + " endpoints, got " + std::to_string(eps_.size()));
   imm_.resize(eps_.size());
-  for (size_t i = 0; i < eps_.size(); ++i) flags_.emplace_back([this, i] { flags_loop(i); });
+  flags_ = std::thread([this] { flags_loop(); });
 }
 
 RdmaPath::~RdmaPath() { close(); }
 
-void RdmaPath::flags_loop(size_t qp) {
-  const auto& ep = eps_[qp];
-  while (!stop_ && !ep->closed()) {
-    try {
-      if (auto v = ep->wait_imm(milliseconds(100))) {
-        on_imm(qp, *v);
-        for (uint32_t w : ep->poll_imm(256)) on_imm(qp, w);
+void RdmaPath::flags_loop() {
+  // Each round: collect what every queue pair received, then sleep in one poll() on their receive
+  // channels (armed: an immediate that came after the collection makes its fd readable), at most
+  // 100 ms so that close() is seen. A queue pair that closed or failed drops out; the others go on.
+  const size_t k = eps_.size();
+  std::vector<bool> live(k, true);
+  std::vector<pollfd> fds(k);
+  std::vector<size_t> qp_of(k);
+  auto stopped = [&](size_t qp, const std::exception& e) {
+    log::warn("rdma path: receiving completion flags on queue pair " + std::to_string(qp) + " of " +
+              std::to_string(k) + " stopped: " + e.what());
+    live[qp] = false;
+  };
+  while (!stop_) {
+    size_t n = 0;
+    for (size_t qp = 0; qp < k; ++qp) {
+      if (!live[qp] || eps_[qp]->closed()) {
+        live[qp] = false;
+        continue;
       }
-    } catch (const std::exception& e) {
-      log::warn("rdma path: receiving completion flags on queue pair " + std::to_string(qp) + " of " +
-                std::to_string(eps_.size()) + " stopped: " + e.what());
+      try {
+        for (;;) {
+          auto got = eps_[qp]->poll_imm(256);
+          for (uint32_t v : got) on_imm(qp, v);
+          if (got.size() < 256) break;
+        }
+      } catch (const std::exception& e) {
+        stopped(qp, e);
+        continue;
+      }
+      fds[n] = pollfd{eps_[qp]->imm_fd(), POLLIN, 0};
+      qp_of[n++] = qp;
+    }
+    if (n == 0 || stop_) return;
+    if (::poll(fds.data(), nfds_t(n), 100) < 0) {
+      if (errno == EINTR) continue;
+      log::warn("rdma path: poll() on " + std::to_string(n) + " receive completion channels failed: " +
+                errno_str(errno) + "; completion flags on this link stop");
       return;
+    }
+    for (size_t j = 0; j < n; ++j) {
+      if (!fds[j].revents) continue;
+      try {
+        eps_[qp_of[j]]->imm_event();
+      } catch (const std::exception& e) {
+        stopped(qp_of[j], e);
+      }
     }
   }
 }
@@ -194,8 +232,7 @@ void RdmaPath::close() {
   stop_ = true;
   for (auto& ep : eps_) ep->close();
   std::lock_guard<std::mutex> g(join_mu_);
-  for (auto& t : flags_)
-    if (t.joinable() && t.get_id() != std::this_thread::get_id()) t.join();
+  if (flags_.joinable() && flags_.get_id() != std::this_thread::get_id()) flags_.join();
 }
 
 }  // namespace hixl::transport
