@@ -9,6 +9,7 @@
 #include "auth/handshake.h"
 #include "verbs/error.h"
 #include "verbs/log.h"
+#include "verbs/reaper.h"
 #include "wire/control.h"
 
 namespace hixl::rdma {
@@ -103,6 +104,11 @@ Endpoint::Endpoint(const EndpointOptions& opts) : opts_(opts) {
 
 Endpoint::~Endpoint() {
   try { close(); } catch (const std::exception& e) { log::warn(std::string("Endpoint teardown: ") + e.what()); }
+  // ibv_destroy_qp can block for as long as the link is stuck (verbs/reaper.h): not in our caller.
+  if (qp_) {
+    std::string what = "ibv_destroy_qp(qpn " + std::to_string(qp_->qpn()) + ", device " + pd_->context()->name() + ")";
+    verbs::Reaper::instance().release(std::shared_ptr<verbs::QueuePair>(std::move(qp_)), std::move(what));
+  }
 }
 
 LocalInfo Endpoint::local_info() const {
@@ -660,7 +666,16 @@ void Endpoint::post_recvs(uint32_t n) {
 void Endpoint::handle_recv_wc(const ibv_wc& wc, std::vector<uint32_t>& out) {
   if (wc.status != IBV_WC_SUCCESS) {
     std::lock_guard<util::Mutex> g(mu_);
-    if (!closed_) mark_dead_locked(std::string("receive completion failed: ") + verbs::wc_to_string(wc));
+    if (closed_) return;
+    // A flushed receive only says the queue pair went to error. When a send failed, its completion
+    // names why (retries exhausted, the peer refused the request, ...): reap the send CQ first so that
+    // the link's reason is that one.
+    if (connected_ && wc.status == IBV_WC_WR_FLUSH_ERR) progress_locked(int(sq_depth_));
+    mark_dead_locked(std::string("receive completion failed: ") + verbs::wc_to_string(wc) +
+                     (wc.status == IBV_WC_WR_FLUSH_ERR
+                          ? " (the queue pair went to error; no failed send completion on it names why: on the"
+                            " responder side, the peer's request was invalid or not permitted)"
+                          : ""));
     return;
   }
   if (wc.opcode == IBV_WC_RECV_RDMA_WITH_IMM || (wc.wc_flags & IBV_WC_WITH_IMM)) {
