@@ -12,6 +12,7 @@
 #include "transport/shm_path.h"
 #include "verbs/error.h"
 #include "verbs/log.h"
+#include "verbs/reaper.h"
 
 namespace hixl::engine {
 
@@ -201,7 +202,11 @@ void Engine::finalize() {
     if (w->t.joinable()) w->t.join();
   requests_.clear();
   lists_.clear();
-  registry_.close();  // MRs go after every QP is gone
+  links.clear();
+  // Queue pairs are destroyed in the background (verbs/reaper.h). Give them a bounded moment: then
+  // normally they are gone before the MRs and before finalize() returns, and a stuck link costs 2 s.
+  if (pd_) verbs::Reaper::instance().drain(milliseconds(2000));
+  registry_.close();  // MRs go after every QP is gone (but a QP stuck in the reaper)
   // pd_ stays until the destructor: calls racing finalize() may still hold a reference path to it.
 }
 
