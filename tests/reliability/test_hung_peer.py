@@ -67,8 +67,10 @@ def test_an_async_request_to_a_stopped_peer_ends_through_the_heartbeat(transport
         descs = [TransferOpDesc(src.ctypes.data + i * 4 * MiB, peer.info["addr"] + i * 4 * MiB, 4 * MiB)
                  for i in range(16)]
         reqs = []
-        for _ in range(4):
+        for i in range(4):
             rc, req = b.transfer_async(peer.name, WRITE, descs)
+            if rc == NOT_CONNECTED and i > 0 and not _linked(b, peer.name):
+                break  # the heartbeat already closed the link (posting 64 MiB is slow under TCG)
             assert rc == SUCCESS, b.last_error()
             reqs.append(req)
         for req in reqs:  # nobody polls meanwhile: the first wait comes after the link is gone

@@ -11,7 +11,9 @@ rdma only (rxe0 in the CI VM).
 """
 from __future__ import annotations
 
+import os
 import subprocess
+import time
 
 import numpy as np
 import pytest
@@ -60,3 +62,31 @@ def test_a_link_takes_the_devices_defaults_unless_told_otherwise(a_opts, b_opts,
     finally:
         a.finalize()
         b.finalize()
+
+
+def _threads() -> int:
+    """This process's thread count, the least of a few looks (a handshake's helper may be on its way out)."""
+    n = []
+    for _ in range(5):
+        n.append(len(os.listdir("/proc/self/task")))
+        time.sleep(0.05)
+    return min(n)
+
+
+def test_a_striped_link_costs_no_more_threads_than_a_single_queue_pair():
+    """With 4 queue pairs per link (the Soft-RoCE default) one thread per link end still receives the
+    completion flags of all of them (one poll() on their channels), not one thread per queue pair."""
+    grew = {}
+    for qps in (1, 4):
+        a, b = _engine("rdma", HixlRdmaQpsPerLink=qps), _engine("rdma", HixlRdmaQpsPerLink=qps)
+        try:
+            before = _threads()
+            assert a.connect(b.local_engine, 20000) == SUCCESS, a.last_error()
+            _until(lambda: _linked(b, a.local_engine), 10, "b's end of the link")
+            assert a.get_link_info(b.local_engine)[1]["qps"] == qps
+            time.sleep(0.2)  # every thread the link starts is started
+            grew[qps] = _threads() - before
+        finally:
+            a.finalize()
+            b.finalize()
+    assert grew[4] == grew[1], grew
