@@ -137,7 +137,8 @@ class EngineSide(Side):
         if s.args.gid_index is not None:
             opts["HixlGidIndex"] = str(s.args.gid_index)
         # Always set: on Soft-RoCE the engine's own default is 4 (a lossy link), and perftest runs one.
-        opts["HixlRdmaQpsPerLink"] = str(getattr(s.args, "qps", 1))
+        qps = getattr(s.args, "qps", 1)
+        opts["HixlRdmaQpsPerLink"] = str(qps)
         if self.e.initialize(local_ip, opts) != hixl.SUCCESS:
             raise RuntimeError("Hixl.initialize(%s, %s): %s" % (local_ip, opts, self.e.last_error()))
         self.buf = np.zeros(self.span, np.uint8)
