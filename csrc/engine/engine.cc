@@ -117,10 +117,9 @@ int Engine::initialize(const std::string& local_engine, const Options& opts) {
     }
 
     opts_ = opts;
-    if (pd && pd->context()->soft_roce()) {  // Options::kSoftRoce* (types.h)
-      if (opts_.rdma_timeout < 0) opts_.rdma_timeout = Options::kSoftRoceRdmaTimeout;
-      if (opts_.rdma_qps_per_link < 0) opts_.rdma_qps_per_link = Options::kSoftRoceQpsPerLink;
-    }
+    // Soft-RoCE: 4 queue pairs per link unless told otherwise (Options::kSoftRoceQpsPerLink, types.h).
+    if (pd && pd->context()->soft_roce() && opts_.rdma_qps_per_link < 0)
+      opts_.rdma_qps_per_link = Options::kSoftRoceQpsPerLink;
     pd_ = std::move(pd);
     registry_.set_pd(pd_);
     auto_transport_ = opts.transport == "auto";

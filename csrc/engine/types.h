@@ -48,15 +48,15 @@ struct Options {
   // across them (transport/data_path.h), so one queue pair waiting out a retransmission does not stall
   // the link. A link gets the smaller of the two ends' values.
   int rdma_qps_per_link = -1;
-  // On Soft-RoCE (rxe) the -1 defaults above are kSoftRoceRdmaTimeout and kSoftRoceQpsPerLink instead.
-  // rxe runs over ordinary Ethernet, which loses packets, and recovers a lost packet that no NAK
-  // reports only when the ACK timer fires (rxe ignores further NAKs until an ACK, so a second loss in
-  // one stretch waits too): on a lone queue pair at the hardware default (14, 67 ms) 1 % loss kept
-  // 0.19x-0.51x of the clean bandwidth across the two-host runs (ci/two-vm), with 4 queue pairs and 12
-  // (16 ms) 0.54x-0.61x. Hardware NICs keep 14 and one queue pair: they retransmit in hardware, run on
-  // lossless or congestion-controlled fabrics, and a short timer on a congested one retries
-  // spuriously until the queue pair fails.
-  static constexpr int kSoftRoceRdmaTimeout = 12;
+  // On Soft-RoCE (rxe) the -1 default of rdma_qps_per_link is kSoftRoceQpsPerLink instead. rxe runs
+  // over ordinary Ethernet, which loses packets, and recovers a lost packet that no NAK reports only
+  // when the ACK timer fires: while one queue pair waits, the others keep the link busy. Across the
+  // two-host link (ci/two-vm) 1 % loss kept 0.21x-0.28x of the clean bandwidth with one queue pair
+  // and 0.35x-0.51x with 4 (ACK timeout 14 both). The ACK timeout stays 14: at 12 (16 ms) the striped
+  // links met 0.5x at 1 % loss (0.51x-0.61x), but twice in a day rxe failed a queue pair with "remote
+  // invalid request" on a clean link under load (a retransmission it mishandles). Hardware keeps one
+  // queue pair: it retransmits by itself on fabrics built not to drop, and 4x the queue pairs cost NIC
+  // cache per peer.
   static constexpr int kSoftRoceQpsPerLink = 4;
   bool auto_connect = false;
   int handshake_timeout_ms = 5000;  // an accepted peer must finish its handshake within this

@@ -69,6 +69,11 @@ void RdmaPath::flags_loop() {
     }
     for (size_t j = 0; j < n; ++j) {
       if (!fds[j].revents) continue;
+      if (fds[j].revents & (POLLERR | POLLHUP | POLLNVAL)) {  // would wake every poll(): drop it
+        stopped(qp_of[j], Error("poll() on its receive completion channel (fd " + std::to_string(fds[j].fd) +
+                                ") reported revents " + std::to_string(fds[j].revents)));
+        continue;
+      }
       try {
         eps_[qp_of[j]]->imm_event();
       } catch (const std::exception& e) {
