@@ -53,7 +53,7 @@ struct Options {
   // when the ACK timer fires: while one queue pair waits, the others keep the link busy. Across the
   // two-host link (ci/two-vm) 1 % loss kept 0.21x-0.28x of the clean bandwidth with one queue pair
   // and 0.35x-0.51x with 4 (ACK timeout 14 both). The ACK timeout stays 14: at 12 (16 ms) the striped
-  // links met 0.5x at 1 % loss (0.51x-0.61x), but twice in a day rxe failed a queue pair with "remote
+  // links mostly met 0.5x at 1 % loss (0.38x-0.61x), but twice in a day rxe failed a queue pair with "remote
   // invalid request" on a clean link under load (a retransmission it mishandles). Hardware keeps one
   // queue pair: it retransmits by itself on fabrics built not to drop, and 4x the queue pairs cost NIC
   // cache per peer.
