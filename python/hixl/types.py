@@ -210,7 +210,7 @@ OPTION_HIXL_ASYNC_TIMEOUT_MS = "HixlAsyncTimeoutMs"      # transfer_async deadli
 OPTION_HIXL_HEARTBEAT_MS = "HixlHeartbeatMs"            # ping interval per link (default 1000; 0: none)
 OPTION_HIXL_HEARTBEAT_MISSES = "HixlHeartbeatMisses"    # silent intervals before a link is dead (default 10)
 OPTION_HIXL_METRICS_PORT = "HixlMetricsPort"            # serve /metrics on this port (0: a free one; hixl.metrics)
-OPTION_HIXL_RDMA_TIMEOUT = "HixlRdmaTimeout"            # QP ACK timeout 4.096 us * 2^n, 1..31 (default 14; 12 on rxe)
+OPTION_HIXL_RDMA_TIMEOUT = "HixlRdmaTimeout"            # QP ACK timeout 4.096 us * 2^n, 1..31 (default 14)
 OPTION_HIXL_RDMA_RETRY_COUNT = "HixlRdmaRetryCount"     # QP retransmissions before it fails, 0..7 (default 7)
 OPTION_HIXL_RDMA_QPS_PER_LINK = "HixlRdmaQpsPerLink"    # RC QPs a link stripes its bytes over, 1..16 (default 1; 4 on rxe)
 

@@ -202,9 +202,9 @@ def test_under_each_fault_every_transfer_completes_verified_or_fails_in_time(sid
 @pytest.mark.parametrize("side", list(OTHER_RDMA))
 @pytest.mark.parametrize("fault", ["clean", "loss 1%"])
 def test_the_other_rdma_settings_under_loss_for_comparison(sides, side, fault):
-    """Why rxe's defaults are 4 queue pairs and ACK timeout 12. A loss rxe cannot recover by a NAK waits
-    out the ACK timeout (16 ms at 12, 67 ms at 14); 12 is as low as rxe takes here: at 11 and below its QP
-    died now and then (IBV_WC_REM_INV_REQ_ERR). With a link's bytes striped over 4 queue pairs, one
+    """Why rxe's default is 4 queue pairs, and why its ACK timeout stays 14. A loss rxe cannot recover by a
+    NAK waits out the ACK timeout (16 ms at 12, 67 ms at 14); at 11 and below its QP died now and then
+    (IBV_WC_REM_INV_REQ_ERR), and at 12 twice in a day on a clean link under load. With a link's bytes striped over 4 queue pairs, one
     waiting out a retransmission leaves the others busy (ib_write_bw -q 4 across this link: 2-3x the
     bandwidth of one queue pair at 1 % loss, ~1.5x clean)."""
     _under_fault(sides[side], side, fault)
