@@ -50,7 +50,13 @@ set +e
 rc=${PIPESTATUS[0]}
 set -e
 if [ "$rc" -ne 0 ]; then
-    log "FAIL: fuzz_wire exited $rc; the input is in $ART/fuzz-crash-*"
+    # libFuzzer exits 72 when it was interrupted (SIGINT/SIGTERM): nothing was found, and no input written.
+    found=$(ls "$ART"/fuzz-crash-* 2>/dev/null | head -n 5 | tr '\n' ' ')
+    if [ -n "$found" ]; then
+        log "FAIL: fuzz_wire exited $rc; the input: $found"
+    else
+        log "FAIL: fuzz_wire exited $rc and wrote no input (libFuzzer exits 72 when interrupted)"
+    fi
     exit "$rc"
 fi
 log "fuzz_wire: no finding in $(( $(date +%s) - start ))s ($(ls "$OUT/corpus" | wc -l) corpus inputs)"
