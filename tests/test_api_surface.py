@@ -306,9 +306,10 @@ def test_parse_options_full(no_env):
         T.OPTION_RDMA_TRAFFIC_CLASS: "252", T.OPTION_RDMA_SERVICE_LEVEL: "7",
         T.OPTION_AUTO_CONNECT: "1", "HixlTransport": "shm", "HixlDevice": "mlx5_0",
         "HixlGidIndex": "3", "HixlRdmaTimeout": "10", "HixlRdmaRetryCount": "0", "HixlRdmaQpsPerLink": "16",
+        "HixlRdmaMaxWrBytes": "16384",
     }
     p = ok(opts)
-    assert (p.rdma_timeout, p.rdma_retry_count, p.rdma_qps_per_link) == (10, 0, 16)
+    assert (p.rdma_timeout, p.rdma_retry_count, p.rdma_qps_per_link, p.rdma_max_wr_bytes) == (10, 0, 16, 16384)
     assert (p.rdma_traffic_class, p.rdma_service_level) == (252, 7)
     assert p.auto_connect is True
     assert (p.transport, p.device, p.gid_index) == ("shm", "mlx5_0", 3)
@@ -342,10 +343,21 @@ def test_parse_options_full(no_env):
     ("HixlGidIndex", "256"), ("HixlGidIndex", "-1"), ("HixlGidIndex", "one"),
     ("HixlRdmaTimeout", "0"), ("HixlRdmaTimeout", "32"), ("HixlRdmaRetryCount", "8"), ("HixlRdmaRetryCount", "-1"),
     ("HixlRdmaQpsPerLink", "0"), ("HixlRdmaQpsPerLink", "17"),
+    ("HixlRdmaMaxWrBytes", "0"), ("HixlRdmaMaxWrBytes", "4095"), ("HixlRdmaMaxWrBytes", str(2 ** 30 + 1)),
 ])
 def test_parse_options_bad_values(no_env, key, value):
     p = bad({key: value})
     assert key in p.error
+
+
+@pytest.mark.parametrize("kw", [{"rdma_timeout": 0}, {"rdma_timeout": 32}, {"rdma_qps_per_link": 17},
+                                {"rdma_max_wr_bytes": 4095}, {"rdma_max_wr_bytes": 2 ** 30 + 1}])
+def test_the_core_engine_refuses_rdma_settings_out_of_range(kw):
+    """The C++ engine checks what parse_options() checks, for callers of _core (and naming the setting)."""
+    from hixl import PARAM_INVALID, _core
+    e = _core.Engine()
+    assert e.initialize("127.0.0.1:0", transport="shm", **kw) == PARAM_INVALID
+    assert list(kw)[0] in e.last_error(), e.last_error()
 
 
 @pytest.mark.parametrize("options", [

@@ -113,6 +113,40 @@ def test_a_link_gets_the_smaller_queue_pair_count_of_its_two_ends(qps_a, qps_b, 
         p.close()
 
 
+def test_a_descriptor_longer_than_one_work_request_is_sliced_and_lands_whole():
+    """HixlRdmaMaxWrBytes: on rdma a descriptor longer than it goes out as several work requests of at most
+    that many bytes (the link counts them), and sizes around the boundary land whole, written and read
+    back, nothing outside them touched. The option is the sending end's own; shm and tcp ignore it."""
+    wr = 4096
+    p = Pair(size=4 * MiB, b_opts={"HixlRdmaMaxWrBytes": str(wr)})
+    try:
+        rc, info = p.b.get_link_info(p.a.local_engine)
+        assert rc == SUCCESS, p.b.last_error()
+        if transport_name() == "rdma":
+            assert info["rdma_max_wr_bytes"] == wr, info
+            assert p.a.get_link_info(p.b.local_engine)[1]["rdma_max_wr_bytes"] in (16 * 1024, 4 * MiB)  # defaults
+        at = 0
+        for size in (1, wr - 1, wr, wr + 1, 3 * wr + 5, MiB + 3):
+            soff, doff = at + 3, at + 7
+            before = p.abuf.copy()
+            posted = p.b.get_link_info(p.a.local_engine)[1].get("posted_wrs", 0)
+            d = [TransferOpDesc(_addr(p.bbuf) + soff, _addr(p.abuf) + doff, size)]
+            assert p.b.transfer_sync(p.a.local_engine, WRITE, d, 60000) == SUCCESS, p.b.last_error()
+            np.testing.assert_array_equal(p.abuf[doff:doff + size], p.bbuf[soff:soff + size], err_msg=str(size))
+            np.testing.assert_array_equal(p.abuf[:doff], before[:doff])
+            np.testing.assert_array_equal(p.abuf[doff + size:], before[doff + size:])
+            if transport_name() == "rdma":
+                grew = p.b.get_link_info(p.a.local_engine)[1]["posted_wrs"] - posted
+                assert grew >= -(-size // wr), (size, grew)
+            p.bbuf[soff:soff + size] = 0
+            r = [TransferOpDesc(_addr(p.bbuf) + soff, _addr(p.abuf) + doff, size)]
+            assert p.b.transfer_sync(p.a.local_engine, READ, r, 60000) == SUCCESS, p.b.last_error()
+            np.testing.assert_array_equal(p.bbuf[soff:soff + size], p.abuf[doff:doff + size], err_msg=str(size))
+            at += size + 4096
+    finally:
+        p.close()
+
+
 def test_many_descriptors_async_with_user_data(pair):
     p = pair
     n, chunk = 4096, 1024  # 4096 descriptors, scattered (reversed order) on the remote side

@@ -31,6 +31,8 @@ std::shared_ptr<rdma::Endpoint> Engine::make_endpoint() const {
   if (opts_.service_level >= 0) o.service_level = uint8_t(opts_.service_level);
   if (opts_.rdma_timeout > 0) o.timeout = uint8_t(opts_.rdma_timeout);
   if (opts_.rdma_retry_count >= 0) o.retry_cnt = uint8_t(opts_.rdma_retry_count);
+  if (opts_.rdma_max_wr_bytes > 0) o.slice_bytes = uint64_t(opts_.rdma_max_wr_bytes);
+  o.max_slices = opts_.rdma_max_slices;
   return std::make_shared<rdma::Endpoint>(o);
 }
 

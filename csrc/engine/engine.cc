@@ -67,6 +67,11 @@ int Engine::initialize(const std::string& local_engine, const Options& opts) {
     if (opts.rdma_qps_per_link == 0 || opts.rdma_qps_per_link > int(transport::RdmaPath::kMaxQps))
       return fail(kParamInvalid, "initialize: rdma_qps_per_link=" + std::to_string(opts.rdma_qps_per_link) +
                                      ": need 1.." + std::to_string(transport::RdmaPath::kMaxQps));
+    if (opts.rdma_max_wr_bytes != -1 &&
+        (opts.rdma_max_wr_bytes < Options::kMinMaxWrBytes || opts.rdma_max_wr_bytes > Options::kMaxMaxWrBytes))
+      return fail(kParamInvalid, "initialize: rdma_max_wr_bytes=" + std::to_string(opts.rdma_max_wr_bytes) +
+                                     ": need " + std::to_string(Options::kMinMaxWrBytes) + ".." +
+                                     std::to_string(Options::kMaxMaxWrBytes));
     if (opts.async_timeout_ms < 0 || opts.heartbeat_ms < 0 || opts.heartbeat_ms > 3600000 ||
         opts.heartbeat_misses < 1 || opts.heartbeat_misses > 1000)
       return fail(kParamInvalid, "initialize: async_timeout_ms=" + std::to_string(opts.async_timeout_ms) +
@@ -120,6 +125,13 @@ int Engine::initialize(const std::string& local_engine, const Options& opts) {
     // Soft-RoCE: 4 queue pairs per link unless told otherwise (Options::kSoftRoceQpsPerLink, types.h).
     if (pd && pd->context()->soft_roce() && opts_.rdma_qps_per_link < 0)
       opts_.rdma_qps_per_link = Options::kSoftRoceQpsPerLink;
+    opts_.rdma_max_slices = 0;
+    if (opts_.rdma_max_wr_bytes < 0 && pd && pd->context()->soft_roce()) {
+      opts_.rdma_max_wr_bytes = Options::kSoftRoceMaxWrBytes;
+      opts_.rdma_max_slices = Options::kSoftRoceMaxSlices;
+    } else if (opts_.rdma_max_wr_bytes < 0) {
+      opts_.rdma_max_wr_bytes = Options::kDefaultMaxWrBytes;
+    }
     pd_ = std::move(pd);
     registry_.set_pd(pd_);
     auto_transport_ = opts.transport == "auto";
@@ -297,6 +309,9 @@ std::pair<int, LinkInfo> Engine::link_info(const std::string& remote) {
     li.service_level = link->ep->options().service_level;
     li.rdma_timeout = link->ep->options().timeout;
     li.rdma_retry_count = link->ep->options().retry_cnt;
+    li.rdma_max_wr_bytes = link->ep->options().slice_bytes;
+    li.posted_wrs = link->ep->stats().posted_wrs;
+    for (const auto& m : link->more_eps) li.posted_wrs += m->stats().posted_wrs;
     li.qpns = link->qpns();
     li.qps = int(li.qpns.size());
   }

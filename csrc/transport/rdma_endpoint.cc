@@ -68,6 +68,7 @@ Endpoint::Endpoint(const EndpointOptions& opts) : opts_(opts) {
   // A slice must fit ibv_sge.length (32 bits) and the port's max_msg_sz.
   opts_.slice_bytes = std::min<uint64_t>(opts_.slice_bytes, 1ull << 30);
   if (port_info_.max_msg_sz && opts_.slice_bytes > port_info_.max_msg_sz) opts_.slice_bytes = port_info_.max_msg_sz;
+  max_slice_ = std::min<uint64_t>(1ull << 30, port_info_.max_msg_sz ? port_info_.max_msg_sz : 1ull << 30);
 
   uint32_t sq = std::min<uint32_t>(opts_.sq_depth, uint32_t(da.max_qp_wr));
   uint32_t rq = std::min<uint32_t>(opts_.rq_depth, uint32_t(da.max_qp_wr));
@@ -456,13 +457,22 @@ uint64_t Endpoint::submit(Op op, const std::vector<Desc>& descs, uint32_t imm, m
     lkeys = lkey_big.data();
   }
   uint64_t total = 0;  // work requests this request needs
+  uint64_t bytes = 0;
+  uint64_t slice = opts_.slice_bytes;
   for (size_t i = 0; i < descs.size(); ++i) {
     const Desc& d = descs[i];
     if (d.local_addr + d.length < d.local_addr || d.remote_addr + d.length < d.remote_addr)
       throw Error(CallDesc("submit").arg("op", op_name(op)).arg("desc", i).hex("local_addr", d.local_addr)
                       .hex("remote_addr", d.remote_addr).arg("len", d.length).str() + ": range wraps the address space");
     lkeys[i] = !d.length ? 0 : d.has_lkey ? d.lkey : lkey_for(d.local_addr, d.length, op == Op::kRead);
-    total += (d.length + opts_.slice_bytes - 1) / opts_.slice_bytes;
+    total += (d.length + slice - 1) / slice;
+    bytes += d.length;
+  }
+  if (opts_.max_slices && total > opts_.max_slices + descs.size()) {  // larger slices (see EndpointOptions)
+    const uint64_t even = (bytes + opts_.max_slices - 1) / opts_.max_slices;
+    slice = std::min<uint64_t>((even + 4095) & ~uint64_t(4095), max_slice_);  // whole pages: whole packets
+    total = 0;
+    for (const Desc& d : descs) total += (d.length + slice - 1) / slice;
   }
   const bool pure_flag = op == Op::kWriteImm && total == 0;  // zero-length write-with-imm
   if (pure_flag) total = 1;
@@ -520,7 +530,7 @@ uint64_t Endpoint::submit(Op op, const std::vector<Desc>& descs, uint32_t imm, m
       uint64_t len = 0;
       if (!pure_flag) {
         const Desc& d = descs[cur_d];
-        len = std::min<uint64_t>(opts_.slice_bytes, d.length - cur_off);
+        len = std::min<uint64_t>(slice, d.length - cur_off);
         sge.addr = d.local_addr + cur_off;
         sge.length = uint32_t(len);
         sge.lkey = lkeys[cur_d];

@@ -40,6 +40,10 @@ struct EndpointOptions {
   uint32_t rq_depth = 256;
   uint32_t max_inline = 64;    // small writes go inline (falls back to 0 if the device refuses)
   uint64_t slice_bytes = 4u << 20;  // larger descriptors are sliced into several work requests
+  // 0: slice_bytes is a fixed cap. n: a request whose bytes would take more than n slices gets larger
+  // ones, bytes / n (so it takes at most n work requests plus one per descriptor, and a big request does
+  // not fill the send queue and block its submitter on backpressure).
+  uint32_t max_slices = 0;
   uint32_t max_chain = 64;     // work requests per ibv_post_send (one doorbell)
   uint32_t busy_poll_us = 20;  // spin at least this long without a completion before blocking on the channel
   uint8_t traffic_class = 0;
@@ -180,6 +184,7 @@ class Endpoint {
   std::unique_ptr<verbs::QueuePair> qp_;
 
   verbs::PortInfo port_info_;
+  uint64_t max_slice_ = 1ull << 30;  // the most one work request may carry (ibv_sge.length, max_msg_sz)
   verbs::Gid gid_{};
   int gid_index_ = 0;
   uint32_t psn_ = 0;

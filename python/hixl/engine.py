@@ -230,7 +230,8 @@ class Hixl(Signals):
                 heartbeat_misses=-1 if p.heartbeat_misses is None else p.heartbeat_misses,
                 rdma_timeout=-1 if p.rdma_timeout is None else p.rdma_timeout,
                 rdma_retry_count=-1 if p.rdma_retry_count is None else p.rdma_retry_count,
-                rdma_qps_per_link=-1 if p.rdma_qps_per_link is None else p.rdma_qps_per_link))
+                rdma_qps_per_link=-1 if p.rdma_qps_per_link is None else p.rdma_qps_per_link,
+                rdma_max_wr_bytes=-1 if p.rdma_max_wr_bytes is None else p.rdma_max_wr_bytes))
             if rc == SUCCESS and p.metrics_port is not None:
                 try:
                     self._metrics_server = _metrics.Server(self._read_metrics, host, p.metrics_port)

@@ -213,6 +213,7 @@ OPTION_HIXL_METRICS_PORT = "HixlMetricsPort"            # serve /metrics on this
 OPTION_HIXL_RDMA_TIMEOUT = "HixlRdmaTimeout"            # QP ACK timeout 4.096 us * 2^n, 1..31 (default 14)
 OPTION_HIXL_RDMA_RETRY_COUNT = "HixlRdmaRetryCount"     # QP retransmissions before it fails, 0..7 (default 7)
 OPTION_HIXL_RDMA_QPS_PER_LINK = "HixlRdmaQpsPerLink"    # RC QPs a link stripes its bytes over, 1..16 (default 1; 4 on rxe)
+OPTION_HIXL_RDMA_MAX_WR_BYTES = "HixlRdmaMaxWrBytes"    # bytes one work request carries at most, 4096..2^30 (default 4 MiB; 16 KiB on rxe)
 
 TRANSPORTS = ("auto", "rdma", "shm", "tcp")
 ENV_TRANSPORT = "HIXL_TRANSPORT"
@@ -228,7 +229,7 @@ CANN_OPTIONS = (OPTION_ENABLE_USE_FABRIC_MEM, OPTION_RDMA_TRAFFIC_CLASS, OPTION_
 HIXL_OPTIONS = (OPTION_HIXL_TRANSPORT, OPTION_HIXL_DEVICE, OPTION_HIXL_GID_INDEX, OPTION_HIXL_AUTH_TOKEN,
                 OPTION_HIXL_ASYNC_TIMEOUT_MS, OPTION_HIXL_HEARTBEAT_MS, OPTION_HIXL_HEARTBEAT_MISSES,
                 OPTION_HIXL_METRICS_PORT, OPTION_HIXL_RDMA_TIMEOUT, OPTION_HIXL_RDMA_RETRY_COUNT,
-                OPTION_HIXL_RDMA_QPS_PER_LINK)
+                OPTION_HIXL_RDMA_QPS_PER_LINK, OPTION_HIXL_RDMA_MAX_WR_BYTES)
 ADXL_PREFIX = "adxl."
 # CANN reads the RDMA traffic class and service level from these when the option is absent (as we do).
 # Unlike CANN we keep 0/0 when neither is set: its 132/4 fit Ascend fabrics, not a generic RoCE network.
@@ -266,6 +267,7 @@ _INT_OPTIONS = {
     OPTION_HIXL_RDMA_TIMEOUT: ("rdma_timeout", 1, 31),  # 0 means "never retransmit": refused
     OPTION_HIXL_RDMA_RETRY_COUNT: ("rdma_retry_count", 0, 7),
     OPTION_HIXL_RDMA_QPS_PER_LINK: ("rdma_qps_per_link", 1, 16),
+    OPTION_HIXL_RDMA_MAX_WR_BYTES: ("rdma_max_wr_bytes", 4096, 2 ** 30),
 }
 _DECIMAL = re.compile(r"[0-9]+")
 _BUFFER_POOL = re.compile(r"([0-9]+):([0-9]+)")
@@ -294,6 +296,7 @@ class ParsedOptions:
     rdma_timeout: Optional[int] = None
     rdma_retry_count: Optional[int] = None
     rdma_qps_per_link: Optional[int] = None
+    rdma_max_wr_bytes: Optional[int] = None
     enable_use_fabric_mem: Optional[str] = None
     buffer_pool: Optional[str] = None
     global_resource_config: Optional[str] = None
@@ -538,7 +541,7 @@ __all__ = [
     "OPTION_LOCAL_COMM_RES", "OPTION_HIXL_TRANSPORT", "OPTION_HIXL_DEVICE",
     "OPTION_HIXL_GID_INDEX", "OPTION_HIXL_AUTH_TOKEN", "OPTION_HIXL_ASYNC_TIMEOUT_MS", "OPTION_HIXL_HEARTBEAT_MS",
     "OPTION_HIXL_HEARTBEAT_MISSES", "OPTION_HIXL_METRICS_PORT", "OPTION_HIXL_RDMA_TIMEOUT", "OPTION_HIXL_RDMA_RETRY_COUNT",
-    "OPTION_HIXL_RDMA_QPS_PER_LINK",
+    "OPTION_HIXL_RDMA_QPS_PER_LINK", "OPTION_HIXL_RDMA_MAX_WR_BYTES",
     "TRANSPORTS", "ENV_TRANSPORT", "ENV_AUTH_TOKEN",
     "ENV_METRICS_PORT",
     "MAX_AUTH_TOKEN_BYTES", "ParsedOptions", "parse_options", "CANN_OPTIONS", "HIXL_OPTIONS", "ENV_RDMA_TC",

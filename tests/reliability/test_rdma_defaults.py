@@ -1,5 +1,7 @@
 """The rdma defaults follow the device (issue 18): on Soft-RoCE (rxe, vendor id 0xffffff) a link has 4 queue
-pairs unless told otherwise, on hardware 1; the ACK timeout is 14 (67 ms) on both (engine/types.h).
+pairs unless told otherwise, on hardware 1; the ACK timeout is 14 (67 ms) on both; work requests carry at
+most 16 KiB on Soft-RoCE (more when a queue pair's share of a request would take more than 16 of them),
+4 MiB on hardware (engine/types.h).
 
 rxe runs over ordinary Ethernet, which loses packets, and waits out a full ACK timeout for a lost packet
 no NAK reports: on the two-host link (tests/twohost/test_faults.py) one queue pair kept 0.21x-0.28x of its
@@ -55,10 +57,20 @@ def test_a_link_takes_the_devices_defaults_unless_told_otherwise(a_opts, b_opts,
         # The ACK timeout is each end's own (its queue pairs' retransmit timer).
         assert ia["rdma_timeout"] == (timeout_d if timeout_a is None else timeout_a), ia
         assert ib["rdma_timeout"] == timeout_d, ib
-        # The link moves bytes across all its queue pairs (4 MiB: stripes of at least 64 KiB each).
-        assert a.transfer_sync(b.local_engine, WRITE, [TransferOpDesc(src.ctypes.data, dst.ctypes.data, n)],
-                               60000) == SUCCESS, a.last_error()
-        np.testing.assert_array_equal(dst, src)
+        # Work requests of at most 16 KiB on Soft-RoCE (4 MiB on hardware), each end its own; a queue pair's
+        # share of a request takes at most 16 of them (larger ones past 256 KiB).
+        soft = _soft_roce(ia["device"])
+        assert ia["rdma_max_wr_bytes"] == ib["rdma_max_wr_bytes"] == (16 * 1024 if soft else 4 << 20), (ia, ib)
+        # The link moves bytes across all its queue pairs (stripes of at least 64 KiB each).
+        for size, stripes in ((256 * 1024, min(4, want)), (n, want)):
+            posted = a.get_link_info(b.local_engine)[1]["posted_wrs"]
+            dst[:] = 0
+            assert a.transfer_sync(b.local_engine, WRITE, [TransferOpDesc(src.ctypes.data, dst.ctypes.data, size)],
+                                   60000) == SUCCESS, a.last_error()
+            np.testing.assert_array_equal(dst[:size], src[:size])
+            per = size // stripes  # bytes per queue pair
+            wrs = -(-per // max(16 * 1024, -(-per // 16))) if soft else -(-per // (4 << 20))
+            assert a.get_link_info(b.local_engine)[1]["posted_wrs"] - posted == stripes * wrs, (size, stripes, wrs)
     finally:
         a.finalize()
         b.finalize()

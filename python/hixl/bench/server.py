@@ -291,7 +291,8 @@ class Server:
         if not isinstance(qps, int) or not 1 <= qps <= 16:
             raise ValueError("engine target: qps must be 1..16")
         e = hixl.Hixl()
-        opts = {"HixlTransport": transport, "HixlRdmaQpsPerLink": str(qps)}  # explicit: 4 is rxe's default
+        # explicit: rxe's defaults are 4 queue pairs and 16 KiB work requests (perftest: one, one per message)
+        opts = {"HixlTransport": transport, "HixlRdmaQpsPerLink": str(qps), "HixlRdmaMaxWrBytes": str(4 << 20)}
         if self.a.device:
             opts["HixlDevice"] = self.a.device
         if self.a.gid_index is not None:
