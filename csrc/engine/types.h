@@ -63,8 +63,8 @@ struct Options {
   // rxe asks the peer for an ACK at the end of each work request, else every 65th packet, and once a NAK
   // started a retransmission it ignores further NAKs until an ACK came: a second loss in that stretch
   // waits out the whole ACK timeout. 16 KiB work requests (16 packets at rxe's 1024 B MTU) shorten the
-  // stretch: across the two-host link 1 % loss kept 9.5-11.2 MiB/s against 7.3-9.4 with 4 MiB ones (7 runs
-  // each, every run of one above every run of the other; clean ~3 % slower). So that a big request does
+  // stretch: across the two-host link 1 % loss kept 9.1-11.2 MiB/s against 6.9-9.4 with 4 MiB ones (9 runs,
+  // both in each, 16 KiB ahead in every one; clean ~3 % slower). So that a big request does
   // not take thousands of work requests (filling the send queue: its submitter would wait), on Soft-RoCE
   // by default a queue pair's share of one request takes at most kSoftRoceMaxSlices of them, larger when
   // it must (rdma_max_slices); an explicit rdma_max_wr_bytes is a fixed cap.
