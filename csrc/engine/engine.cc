@@ -122,15 +122,15 @@ int Engine::initialize(const std::string& local_engine, const Options& opts) {
     }
 
     opts_ = opts;
-    // Soft-RoCE: 4 queue pairs per link unless told otherwise (Options::kSoftRoceQpsPerLink, types.h).
-    if (pd && pd->context()->soft_roce() && opts_.rdma_qps_per_link < 0)
-      opts_.rdma_qps_per_link = Options::kSoftRoceQpsPerLink;
+    // Soft-RoCE's defaults, unless told otherwise: 4 queue pairs per link, 16 KiB work requests that grow
+    // for big requests (Options::kSoftRoce*, types.h). Elsewhere -1 keeps the endpoint's own defaults.
     opts_.rdma_max_slices = 0;
-    if (opts_.rdma_max_wr_bytes < 0 && pd && pd->context()->soft_roce()) {
-      opts_.rdma_max_wr_bytes = Options::kSoftRoceMaxWrBytes;
-      opts_.rdma_max_slices = Options::kSoftRoceMaxSlices;
-    } else if (opts_.rdma_max_wr_bytes < 0) {
-      opts_.rdma_max_wr_bytes = Options::kDefaultMaxWrBytes;
+    if (pd && pd->context()->soft_roce()) {
+      if (opts_.rdma_qps_per_link < 0) opts_.rdma_qps_per_link = Options::kSoftRoceQpsPerLink;
+      if (opts_.rdma_max_wr_bytes < 0) {
+        opts_.rdma_max_wr_bytes = Options::kSoftRoceMaxWrBytes;
+        opts_.rdma_max_slices = Options::kSoftRoceMaxSlices;
+      }
     }
     pd_ = std::move(pd);
     registry_.set_pd(pd_);

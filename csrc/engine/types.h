@@ -58,8 +58,8 @@ struct Options {
   // queue pair: it retransmits by itself on fabrics built not to drop, and 4x the queue pairs cost NIC
   // cache per peer.
   static constexpr int kSoftRoceQpsPerLink = 4;
-  // The largest message one RDMA work request carries (4096..1 GiB; -1: 4 MiB, or on Soft-RoCE
-  // kSoftRoceMaxWrBytes); a longer descriptor is sliced into several work requests. The sending end's own.
+  // The largest message one RDMA work request carries (4096..1 GiB; -1: EndpointOptions::slice_bytes,
+  // 4 MiB, or on Soft-RoCE kSoftRoceMaxWrBytes); a longer descriptor is sliced into several work requests. The sending end's own.
   // rxe asks the peer for an ACK at the end of each work request, else every 65th packet, and once a NAK
   // started a retransmission it ignores further NAKs until an ACK came: a second loss in that stretch
   // waits out the whole ACK timeout. 16 KiB work requests (16 packets at rxe's 1024 B MTU) shorten the
@@ -69,7 +69,6 @@ struct Options {
   // by default a queue pair's share of one request takes at most kSoftRoceMaxSlices of them, larger when
   // it must (rdma_max_slices); an explicit rdma_max_wr_bytes is a fixed cap.
   int64_t rdma_max_wr_bytes = -1;
-  static constexpr int64_t kDefaultMaxWrBytes = 4ll << 20;
   static constexpr int64_t kMinMaxWrBytes = 4096, kMaxMaxWrBytes = 1ll << 30;
   static constexpr int64_t kSoftRoceMaxWrBytes = 16 * 1024;
   static constexpr uint32_t kSoftRoceMaxSlices = 16;

@@ -66,9 +66,8 @@ Endpoint::Endpoint(const EndpointOptions& opts) : opts_(opts) {
   gid_index_ = ctx->select_gid_index(opts_.port, opts_.gid_index);
   gid_ = ctx->query_gid(opts_.port, gid_index_);
   // A slice must fit ibv_sge.length (32 bits) and the port's max_msg_sz.
-  opts_.slice_bytes = std::min<uint64_t>(opts_.slice_bytes, 1ull << 30);
-  if (port_info_.max_msg_sz && opts_.slice_bytes > port_info_.max_msg_sz) opts_.slice_bytes = port_info_.max_msg_sz;
-  max_slice_ = std::min<uint64_t>(1ull << 30, port_info_.max_msg_sz ? port_info_.max_msg_sz : 1ull << 30);
+  if (port_info_.max_msg_sz) max_slice_ = std::min<uint64_t>(max_slice_, port_info_.max_msg_sz);
+  opts_.slice_bytes = std::min(opts_.slice_bytes, max_slice_);
 
   uint32_t sq = std::min<uint32_t>(opts_.sq_depth, uint32_t(da.max_qp_wr));
   uint32_t rq = std::min<uint32_t>(opts_.rq_depth, uint32_t(da.max_qp_wr));
