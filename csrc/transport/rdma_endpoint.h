@@ -31,6 +31,8 @@ enum class Op : int { kRead = 0, kWrite = 1, kWriteImm = 2 };
 enum class Status : int { kWaiting = 0, kCompleted = 1, kTimeout = 2, kFailed = 3 };
 
 const char* op_name(Op op);
+// A deadline `timeout` from now; negative = never. Clamped so huge values cannot overflow the clock.
+Clock::time_point deadline_after(std::chrono::milliseconds timeout);
 
 struct EndpointOptions {
   std::string device;          // "" -> $HIXL_DEVICE -> first device with an ACTIVE port
@@ -200,10 +202,10 @@ class Endpoint {
   mutable util::Mutex mu_;  // send side: sequence numbers, requests, send-CQ polling
   std::condition_variable_any cv_;  // signaled whenever requests retire or fail, when someone waits on it
   uint32_t cv_waiters_ = 0;         // threads in cv_.wait_for (mu_): a retirement with none skips the notify
-  bool channel_waiter_ = false;
+  bool channel_waiter_ = false;  // one thread at a time sleeps on the send completion channel
   static constexpr int kMaxSpinUs = 200;   // the longest spin window, and the longest gap counted
   Clock::time_point last_progress_{};      // when a waiter last saw completions arrive
-  Clock::duration gap_{};                  // moving average of the time between those  // one thread at a time sleeps on the send completion channel
+  Clock::duration gap_{};                  // moving average of the time between those
   uint64_t next_seq_ = 0;       // last sequence handed out
   uint64_t completed_seq_ = 0;  // every WR up to this one has completed
   util::IdSlab<Req> reqs_;  // no allocation per request (util/id_slab.h)
