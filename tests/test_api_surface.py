@@ -306,10 +306,12 @@ def test_parse_options_full(no_env):
         T.OPTION_RDMA_TRAFFIC_CLASS: "252", T.OPTION_RDMA_SERVICE_LEVEL: "7",
         T.OPTION_AUTO_CONNECT: "1", "HixlTransport": "shm", "HixlDevice": "mlx5_0",
         "HixlGidIndex": "3", "HixlRdmaTimeout": "10", "HixlRdmaRetryCount": "0", "HixlRdmaQpsPerLink": "16",
-        "HixlRdmaMaxWrBytes": "16384",
+        "HixlRdmaMaxWrBytes": "16384", "HixlRdmaSendWindowBytes": "0",
     }
     p = ok(opts)
     assert (p.rdma_timeout, p.rdma_retry_count, p.rdma_qps_per_link, p.rdma_max_wr_bytes) == (10, 0, 16, 16384)
+    assert p.rdma_send_window_bytes == 0
+    assert ok({"HixlRdmaSendWindowBytes": str(2 ** 30)}).rdma_send_window_bytes == 2 ** 30
     assert (p.rdma_traffic_class, p.rdma_service_level) == (252, 7)
     assert p.auto_connect is True
     assert (p.transport, p.device, p.gid_index) == ("shm", "mlx5_0", 3)
@@ -344,6 +346,7 @@ def test_parse_options_full(no_env):
     ("HixlRdmaTimeout", "0"), ("HixlRdmaTimeout", "32"), ("HixlRdmaRetryCount", "8"), ("HixlRdmaRetryCount", "-1"),
     ("HixlRdmaQpsPerLink", "0"), ("HixlRdmaQpsPerLink", "17"),
     ("HixlRdmaMaxWrBytes", "0"), ("HixlRdmaMaxWrBytes", "4095"), ("HixlRdmaMaxWrBytes", str(2 ** 30 + 1)),
+    ("HixlRdmaSendWindowBytes", "-1"), ("HixlRdmaSendWindowBytes", str(2 ** 30 + 1)), ("HixlRdmaSendWindowBytes", "64K"),
 ])
 def test_parse_options_bad_values(no_env, key, value):
     p = bad({key: value})
@@ -351,7 +354,8 @@ def test_parse_options_bad_values(no_env, key, value):
 
 
 @pytest.mark.parametrize("kw", [{"rdma_timeout": 0}, {"rdma_timeout": 32}, {"rdma_qps_per_link": 17},
-                                {"rdma_max_wr_bytes": 4095}, {"rdma_max_wr_bytes": 2 ** 30 + 1}])
+                                {"rdma_max_wr_bytes": 4095}, {"rdma_max_wr_bytes": 2 ** 30 + 1},
+                                {"rdma_send_window_bytes": -2}, {"rdma_send_window_bytes": 2 ** 30 + 1}])
 def test_the_core_engine_refuses_rdma_settings_out_of_range(kw):
     """The C++ engine checks what parse_options() checks, for callers of _core (and naming the setting)."""
     from hixl import PARAM_INVALID, _core

@@ -58,7 +58,7 @@ void hixl_bind_engine(py::module_& m) {
           [](Engine& e, const std::string& local, const std::string& transport, const std::string& device,
              int gid_index, int traffic_class, int service_level, bool auto_connect, const std::string& auth_token,
              int async_timeout_ms, int heartbeat_ms, int heartbeat_misses, int rdma_timeout, int rdma_retry_count,
-             int rdma_qps_per_link, int64_t rdma_max_wr_bytes) {
+             int rdma_qps_per_link, int64_t rdma_max_wr_bytes, int64_t rdma_send_window_bytes) {
             Options o;
             if (async_timeout_ms >= 0) o.async_timeout_ms = async_timeout_ms;  // < 0: the defaults (engine.h)
             if (heartbeat_ms >= 0) o.heartbeat_ms = heartbeat_ms;
@@ -72,6 +72,7 @@ void hixl_bind_engine(py::module_& m) {
             o.rdma_retry_count = rdma_retry_count;
             o.rdma_qps_per_link = rdma_qps_per_link;
             o.rdma_max_wr_bytes = rdma_max_wr_bytes;
+            o.rdma_send_window_bytes = rdma_send_window_bytes;
             o.auto_connect = auto_connect;
             o.auth_token = auth_token;
             return e.initialize(local, o);
@@ -80,7 +81,8 @@ void hixl_bind_engine(py::module_& m) {
           py::arg("traffic_class") = -1, py::arg("service_level") = -1, py::arg("auto_connect") = false,
           py::arg("auth_token") = "", py::arg("async_timeout_ms") = -1, py::arg("heartbeat_ms") = -1,
           py::arg("heartbeat_misses") = -1, py::arg("rdma_timeout") = -1, py::arg("rdma_retry_count") = -1,
-          py::arg("rdma_qps_per_link") = -1, py::arg("rdma_max_wr_bytes") = -1, release())
+          py::arg("rdma_qps_per_link") = -1, py::arg("rdma_max_wr_bytes") = -1,
+          py::arg("rdma_send_window_bytes") = -1, release())
       .def("finalize", &Engine::finalize, release())
       .def(
           "register_mem",
@@ -238,6 +240,7 @@ void hixl_bind_engine(py::module_& m) {
               d["rdma_retry_count"] = li.rdma_retry_count;
               d["rdma_max_wr_bytes"] = li.rdma_max_wr_bytes;
               d["posted_wrs"] = li.posted_wrs;
+              d["rdma_send_window_bytes"] = li.rdma_send_window_bytes;
               d["qps"] = li.qps;
               d["qpns"] = li.qpns;
               d["remote_regions"] = li.remote_regions;

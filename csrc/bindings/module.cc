@@ -162,7 +162,8 @@ PYBIND11_MODULE(_core, m) {
   py::class_<rdma::Endpoint, std::shared_ptr<rdma::Endpoint>>(m, "Endpoint")
       .def(py::init([](const std::string& device, int port, int gid_index, uint32_t sq_depth, uint32_t rq_depth,
                        uint32_t max_inline, uint64_t slice_bytes, uint32_t max_chain, uint32_t busy_poll_us,
-                       int traffic_class, int service_level, int timeout, int retry_cnt, const std::string& auth_token) {
+                       int traffic_class, int service_level, int timeout, int retry_cnt, const std::string& auth_token,
+                       uint64_t window_bytes) {
              if (port < 1 || port > 255) throw Error("Endpoint: port=" + std::to_string(port) + " must be 1..255");
              if (traffic_class < 0 || traffic_class > 255) throw Error("Endpoint: traffic_class must be 0..255");
              if (service_level < 0 || service_level > 15) throw Error("Endpoint: service_level must be 0..15");
@@ -183,6 +184,7 @@ PYBIND11_MODULE(_core, m) {
              o.timeout = uint8_t(timeout);
              o.retry_cnt = uint8_t(retry_cnt);
              o.auth_token = auth_token;
+             o.window_bytes = window_bytes;
              py::gil_scoped_release nogil;
              return std::make_shared<rdma::Endpoint>(o);
            }),
@@ -190,7 +192,7 @@ PYBIND11_MODULE(_core, m) {
            py::arg("rq_depth") = 256, py::arg("max_inline") = 64, py::arg("slice_bytes") = 4u << 20,
            py::arg("max_chain") = 64, py::arg("busy_poll_us") = 20, py::arg("traffic_class") = 0,
            py::arg("service_level") = 0, py::arg("timeout") = 14, py::arg("retry_cnt") = 7,
-           py::arg("auth_token") = "")
+           py::arg("auth_token") = "", py::arg("window_bytes") = 0)
       .def("info", [](const rdma::Endpoint& ep) {
         rdma::LocalInfo li = ep.local_info();
         py::dict d = hello_to_dict(li.hello);
@@ -278,7 +280,8 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("sq_depth", &rdma::Endpoint::sq_depth)
       .def_property_readonly("outstanding", &rdma::Endpoint::outstanding)
       .def_property_readonly("max_inline", [](const rdma::Endpoint& ep) { return ep.options().max_inline; })
-      .def_property_readonly("slice_bytes", [](const rdma::Endpoint& ep) { return ep.options().slice_bytes; });
+      .def_property_readonly("slice_bytes", [](const rdma::Endpoint& ep) { return ep.options().slice_bytes; })
+      .def_property_readonly("window_bytes", [](const rdma::Endpoint& ep) { return ep.options().window_bytes; });
 
   m.attr("ACCESS_LOCAL_WRITE") = int(IBV_ACCESS_LOCAL_WRITE);
   m.attr("ACCESS_REMOTE_WRITE") = int(IBV_ACCESS_REMOTE_WRITE);

@@ -33,6 +33,7 @@ std::shared_ptr<rdma::Endpoint> Engine::make_endpoint() const {
   if (opts_.rdma_retry_count >= 0) o.retry_cnt = uint8_t(opts_.rdma_retry_count);
   if (opts_.rdma_max_wr_bytes > 0) o.slice_bytes = uint64_t(opts_.rdma_max_wr_bytes);
   o.max_slices = opts_.rdma_max_slices;
+  if (opts_.rdma_send_window_bytes > 0) o.window_bytes = uint64_t(opts_.rdma_send_window_bytes);
   return std::make_shared<rdma::Endpoint>(o);
 }
 

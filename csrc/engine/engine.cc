@@ -72,6 +72,9 @@ int Engine::initialize(const std::string& local_engine, const Options& opts) {
       return fail(kParamInvalid, "initialize: rdma_max_wr_bytes=" + std::to_string(opts.rdma_max_wr_bytes) +
                                      ": need " + std::to_string(Options::kMinMaxWrBytes) + ".." +
                                      std::to_string(Options::kMaxMaxWrBytes));
+    if (opts.rdma_send_window_bytes < -1 || opts.rdma_send_window_bytes > Options::kMaxSendWindowBytes)
+      return fail(kParamInvalid, "initialize: rdma_send_window_bytes=" + std::to_string(opts.rdma_send_window_bytes) +
+                                     ": need 0.." + std::to_string(Options::kMaxSendWindowBytes) + " (0: none)");
     if (opts.async_timeout_ms < 0 || opts.heartbeat_ms < 0 || opts.heartbeat_ms > 3600000 ||
         opts.heartbeat_misses < 1 || opts.heartbeat_misses > 1000)
       return fail(kParamInvalid, "initialize: async_timeout_ms=" + std::to_string(opts.async_timeout_ms) +
@@ -311,6 +314,7 @@ std::pair<int, LinkInfo> Engine::link_info(const std::string& remote) {
     li.rdma_retry_count = link->ep->options().retry_cnt;
     li.rdma_max_wr_bytes = link->ep->options().slice_bytes;
     li.posted_wrs = link->ep->stats().posted_wrs;
+    li.rdma_send_window_bytes = link->ep->options().window_bytes;
     for (const auto& m : link->more_eps) li.posted_wrs += m->stats().posted_wrs;
     li.qpns = link->qpns();
     li.qps = int(li.qpns.size());

@@ -64,7 +64,10 @@ class DataPath {
 // immediate follows its own earlier writes, so all of them together follow every byte of the request
 // and of those submitted before it.
 // One thread per link waits on its queue pairs' receive completion channels (one poll()) for the
-// peer's immediates (its completion flags) and hands them to `sink`; close() joins it.
+// peer's immediates (its completion flags) and hands them to `sink`; close() joins it. With a send
+// window it also waits on the send completion channel of each queue pair that has work waiting for
+// the window, and posts it as completions free the window (rdma::Endpoint::send_event()), so that an
+// asynchronous request moves on while nobody waits for it.
 class RdmaPath final : public DataPath {
  public:
   static constexpr size_t kMaxQps = 16;
@@ -90,6 +93,7 @@ class RdmaPath final : public DataPath {
   };
   void flags_loop();
   void on_imm(size_t qp, uint32_t v);
+  void wake_if_pending(const rdma::Endpoint& ep);
   void note_locked(Striped& s, size_t k, Result r);
 
   std::vector<std::shared_ptr<rdma::Endpoint>> eps_;
@@ -97,6 +101,10 @@ class RdmaPath final : public DataPath {
   std::atomic<bool> stop_{false};
   std::thread flags_;
   std::mutex join_mu_;
+  // With a send window (rdma::EndpointOptions::window_bytes) the flags thread also posts what waits for
+  // it: it watches a queue pair's send completion channel while that one has pending work, and wake_fd_
+  // (an eventfd) tells it a submit left some. -1 without a window.
+  int wake_fd_ = -1;
   // Striped links only.
   std::mutex mu_;        // reqs_, next_qp_
   std::mutex flag_mu_;   // a flagged request's immediates go out on every queue pair in the same order

@@ -93,6 +93,7 @@ Endpoint::Endpoint(const EndpointOptions& opts) : opts_(opts) {
   sq_depth_ = std::min(sq, qp_->caps().max_send_wr);
   signal_every_ = std::max<uint32_t>(1, sq_depth_ / 4);
   opts_.max_chain = std::min(opts_.max_chain, sq_depth_);
+  if (opts_.window_bytes) posted_at_.resize(sq_depth_);
   wrs_.resize(opts_.max_chain);
   sges_.resize(opts_.max_chain);
   psn_ = random_psn();

@@ -46,6 +46,13 @@ struct EndpointOptions {
   // ones, bytes / n (so it takes at most n work requests plus one per descriptor, and a big request does
   // not fill the send queue and block its submitter on backpressure).
   uint32_t max_slices = 0;
+  // 0: a queue pair has as many work requests in flight as its send queue holds. n: at most n bytes of
+  // work requests posted and not yet completed (at least one work request), so that a lost packet makes
+  // the device resend fewer after it (go-back-N). What does not fit waits in the endpoint, in order,
+  // and is posted as completions free the window: by whoever polls (progress(), status(), a waiter),
+  // and by a driver that calls send_event() when send_fd() is readable while has_pending() (RdmaPath's
+  // thread). submit() then never waits for send-queue room; max_slices is not applied.
+  uint64_t window_bytes = 0;
   uint32_t max_chain = 64;     // work requests per ibv_post_send (one doorbell)
   uint32_t busy_poll_us = 20;  // spin at least this long without a completion before blocking on the channel
   uint8_t traffic_class = 0;
@@ -114,7 +121,8 @@ class Endpoint {
   std::pair<uint64_t, std::shared_ptr<verbs::MemoryRegion>> register_memory(void* addr, size_t len, int access);
   void deregister_memory(uint64_t handle);
 
-  // Posts descs as one request; blocks only for send-queue room (never fails with "queue full").
+  // Posts descs as one request; blocks only for send-queue room (never fails with "queue full"), and
+  // with a send window (EndpointOptions::window_bytes) not even for that: the rest waits in the endpoint.
   // imm is used for kWriteImm (carried by the last work request). timeout < 0: no deadline.
   uint64_t submit(Op op, const std::vector<Desc>& descs, uint32_t imm = 0,
                   std::chrono::milliseconds timeout = std::chrono::milliseconds(-1));
@@ -133,6 +141,13 @@ class Endpoint {
   // Immediates from the peer's WRITE_WITH_IMM (receives are replenished automatically).
   std::vector<uint32_t> poll_imm(size_t max);
   std::optional<uint32_t> wait_imm(std::chrono::milliseconds timeout);
+  // The send window's driver (EndpointOptions::window_bytes): while has_pending(), a thread that waits
+  // on send_fd() (the send completion channel) calls send_event() once it is readable; it consumes the
+  // event, reaps completions and posts what now fits. False when a waiter holds the channel (it does
+  // the same): try again shortly.
+  bool has_pending() const { return has_pending_; }
+  int send_fd() const;
+  bool send_event();
   // For one thread that waits on several endpoints' immediates at once (RdmaPath): the receive
   // completion channel's fd, readable when an immediate may have come; once it is, imm_event()
   // consumes the event and re-arms the CQ, then poll_imm() collects what came.
@@ -175,6 +190,36 @@ class Endpoint {
   bool wait_for_room_locked(std::unique_lock<util::Mutex>& lk, uint32_t need,
                             std::chrono::steady_clock::time_point deadline);
 
+  // Where posting one request stands: its descriptors, the next slice, its work requests posted so far.
+  struct Cursor {
+    uint64_t id = 0;
+    Op op = Op::kWrite;
+    uint32_t imm = 0;
+    bool pure_flag = false;  // a zero-length WRITE_WITH_IMM: one work request without bytes
+    const Desc* descs = nullptr;
+    const uint32_t* lkeys = nullptr;
+    size_t n_descs = 0;
+    uint64_t slice = 0;
+    uint64_t total = 0, next = 0;  // work requests: all, posted
+    size_t cur_d = 0;              // descriptor and offset of the next slice (empty descriptors skipped)
+    uint64_t cur_off = 0;
+    void skip_empty() { while (cur_d < n_descs && descs[cur_d].length == 0) ++cur_d; }
+  };
+  // A request not yet fully posted because the send window (or queue) is full: owns a copy of what is left.
+  struct Pending {
+    Cursor c;
+    std::vector<Desc> descs;
+    std::vector<uint32_t> lkeys;
+  };
+  // How many work requests may go now: send-queue room, and the window (0 when full), at most max_chain.
+  uint32_t room_locked() const;
+  // Posts up to n work requests of c in one doorbell (fewer where the send window fills). 0, or
+  // ibv_post_send's error with *why describing it: the caller marks the endpoint dead.
+  int post_chain_locked(Cursor& c, uint32_t n, std::string* why);
+  // Posts pending requests, in order, while the window and the send queue have room.
+  void pump_locked();
+  void queue_rest_locked(const Cursor& c);
+
   EndpointOptions opts_;
   // Declaration order = reverse teardown order: PD (holding the context) first, QP last.
   std::shared_ptr<verbs::ProtectionDomain> pd_;
@@ -210,6 +255,12 @@ class Endpoint {
   uint64_t completed_seq_ = 0;  // every WR up to this one has completed
   util::IdSlab<Req> reqs_;  // no allocation per request (util/id_slab.h)
   std::deque<std::pair<uint64_t, uint64_t>> inflight_;  // (last_seq, req), in SQ order
+  // Send window (opts_.window_bytes > 0): bytes posted and bytes completed, and the running total of
+  // posted bytes after each work request in flight (indexed by sequence % sq_depth_).
+  uint64_t posted_bytes_ = 0, acked_bytes_ = 0;
+  std::vector<uint64_t> posted_at_;
+  std::deque<Pending> pending_;            // in submission order
+  std::atomic<bool> has_pending_{false};   // !pending_.empty(), for a driver that reads it without mu_
   std::string dead_reason_;
   Stats stats_;
   std::vector<ibv_send_wr> wrs_;

@@ -1,8 +1,11 @@
 // RdmaPath (data_path.h): one link's requests over one RC queue pair, or striped over several.
 #include <poll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <thread>
 
 #include "transport/data_path.h"
 #include "verbs/error.h"
@@ -22,19 +25,36 @@ RdmaPath::RdmaPath(std::vector<std::shared_ptr<rdma::Endpoint>> eps, FlagSink si
   if (eps_.empty() || eps_.size() > kMaxQps || std::find(eps_.begin(), eps_.end(), nullptr) != eps_.end())
     throw Error("rdma path: needs 1.." + std::to_string(kMaxQps) + " endpoints, got " + std::to_string(eps_.size()));
   imm_.resize(eps_.size());
+  if (eps_[0]->options().window_bytes) {
+    wake_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (wake_fd_ < 0) throw_errno("rdma path: eventfd", errno);
+  }
   flags_ = std::thread([this] { flags_loop(); });
 }
 
-RdmaPath::~RdmaPath() { close(); }
+RdmaPath::~RdmaPath() {
+  close();
+  if (wake_fd_ >= 0) ::close(wake_fd_);
+}
+
+void RdmaPath::wake_if_pending(const rdma::Endpoint& ep) {
+  if (wake_fd_ < 0 || !ep.has_pending()) return;
+  const uint64_t one = 1;
+  if (::write(wake_fd_, &one, sizeof one) < 0 && errno != EAGAIN)  // EAGAIN: the counter is full, it is awake
+    log::warn("rdma path: write to the send window's eventfd failed: " + errno_str(errno));
+}
 
 void RdmaPath::flags_loop() {
   // Each round: collect what every queue pair received, then sleep in one poll() on their receive
   // channels (armed: an immediate that came after the collection makes its fd readable), at most
   // 100 ms so that close() is seen. A queue pair that closed or failed drops out; the others go on.
+  // With a send window, the poll() also watches wake_fd_ and the send channel of each queue pair
+  // with work waiting for its window.
   const size_t k = eps_.size();
   std::vector<bool> live(k, true);
-  std::vector<pollfd> fds(k);
-  std::vector<size_t> qp_of(k);
+  std::vector<pollfd> fds(2 * k + 1);
+  std::vector<size_t> qp_of(2 * k + 1);
+  enum : size_t { kWake = SIZE_MAX };
   auto stopped = [&](size_t qp, const std::exception& e) {
     log::warn("rdma path: receiving completion flags on queue pair " + std::to_string(qp) + " of " +
               std::to_string(k) + " stopped: " + e.what());
@@ -61,21 +81,42 @@ void RdmaPath::flags_loop() {
       qp_of[n++] = qp;
     }
     if (n == 0 || stop_) return;
+    const size_t recv_n = n;
+    if (wake_fd_ >= 0) {
+      fds[n] = pollfd{wake_fd_, POLLIN, 0};
+      qp_of[n++] = kWake;
+      for (size_t qp = 0; qp < k; ++qp) {
+        if (!live[qp] || !eps_[qp]->has_pending()) continue;
+        fds[n] = pollfd{eps_[qp]->send_fd(), POLLIN, 0};
+        qp_of[n++] = qp;
+      }
+    }
     if (::poll(fds.data(), nfds_t(n), 100) < 0) {
       if (errno == EINTR) continue;
-      log::warn("rdma path: poll() on " + std::to_string(n) + " receive completion channels failed: " +
+      log::warn("rdma path: poll() on " + std::to_string(n) + " completion channels failed: " +
                 errno_str(errno) + "; completion flags on this link stop");
       return;
     }
     for (size_t j = 0; j < n; ++j) {
       if (!fds[j].revents) continue;
+      if (qp_of[j] == kWake) {
+        uint64_t count;
+        while (::read(wake_fd_, &count, sizeof count) > 0) {}
+        continue;
+      }
       if (fds[j].revents & (POLLERR | POLLHUP | POLLNVAL)) {  // would wake every poll(): drop it
-        stopped(qp_of[j], Error("poll() on its receive completion channel (fd " + std::to_string(fds[j].fd) +
-                                ") reported revents " + std::to_string(fds[j].revents)));
+        stopped(qp_of[j], Error("poll() on its " + std::string(j < recv_n ? "receive" : "send") +
+                                " completion channel (fd " + std::to_string(fds[j].fd) + ") reported revents " +
+                                std::to_string(fds[j].revents)));
         continue;
       }
       try {
-        eps_[qp_of[j]]->imm_event();
+        if (j < recv_n) {
+          eps_[qp_of[j]]->imm_event();
+        } else if (!eps_[qp_of[j]]->send_event()) {
+          // A waiter sleeps on that channel and takes the event itself, at once: do not spin on it meanwhile.
+          std::this_thread::sleep_for(std::chrono::microseconds(50));
+        }
       } catch (const std::exception& e) {
         stopped(qp_of[j], e);
       }
@@ -109,7 +150,11 @@ uint64_t RdmaPath::submit(Op op, const std::vector<Desc>& d, milliseconds timeou
   if (flag && op != Op::kWrite) throw Error("rdma path: a completion flag needs a WRITE");
   const rdma::Op o = op == Op::kRead ? rdma::Op::kRead : flag ? rdma::Op::kWriteImm : rdma::Op::kWrite;
   const size_t k = eps_.size();
-  if (k == 1) return eps_[0]->submit(o, d, flag.value_or(0), timeout);
+  if (k == 1) {
+    const uint64_t id = eps_[0]->submit(o, d, flag.value_or(0), timeout);
+    wake_if_pending(*eps_[0]);
+    return id;
+  }
 
   // Striped: split the bytes into n contiguous stripes of about total / n bytes each.
   uint64_t total = 0;
@@ -157,6 +202,7 @@ uint64_t RdmaPath::submit(Op op, const std::vector<Desc>& d, milliseconds timeou
     uint64_t sub = 0;
     try {
       sub = eps_[qp]->submit(o, i < n ? stripes[i] : kNone, flag.value_or(0), timeout);
+      wake_if_pending(*eps_[qp]);
     } catch (const Error& e) {
       if (i == 0) {  // nothing posted: the caller learns it as from one queue pair
         std::lock_guard<std::mutex> g(mu_);

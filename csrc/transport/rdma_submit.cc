@@ -1,7 +1,7 @@
 // rdma::Endpoint's send side (rdma_endpoint.h): posting requests as work requests (slicing, doorbell
-// batching, selective signaling, send-queue backpressure), reaping their completions, and waiting for
-// them (busy poll, then the send completion channel). Set-up, handshake, registration, receives and
-// close() are in rdma_endpoint.cc.
+// batching, selective signaling, send-queue backpressure, the send window), reaping their completions,
+// and waiting for them (busy poll, then the send completion channel). Set-up, handshake, registration,
+// receives and close() are in rdma_endpoint.cc.
 #include <arpa/inet.h>
 
 #include <algorithm>
@@ -33,7 +33,18 @@ void Endpoint::fail_all_locked(const std::string& why) {
     }
   }
   inflight_.clear();
+  for (Pending& p : pending_) {
+    Req* r = reqs_.find(p.c.id);
+    if (r && r->status == Status::kWaiting) {
+      r->status = Status::kFailed;
+      r->error = why + " (" + std::to_string(p.c.next) + " of " + std::to_string(p.c.total) +
+                 " work requests were posted; the rest waited for the send window)";
+    }
+  }
+  pending_.clear();
+  has_pending_ = false;
   completed_seq_ = next_seq_;
+  acked_bytes_ = posted_bytes_;
   cv_.notify_all();
 }
 
@@ -68,6 +79,10 @@ int Endpoint::progress_locked(int budget) {
     if (n < want) break;  // the CQ was drained: a second, empty poll would only cost time
   }
   retire_completed_locked();
+  if (opts_.window_bytes) {
+    if (completed_seq_ && !dead_) acked_bytes_ = posted_at_[completed_seq_ % sq_depth_];
+    if (!pending_.empty()) pump_locked();
+  }
   return total;
 }
 
@@ -138,6 +153,149 @@ bool Endpoint::wait_for_room_locked(std::unique_lock<util::Mutex>& lk, uint32_t 
   return true;
 }
 
+uint32_t Endpoint::room_locked() const {
+  if (opts_.window_bytes && posted_bytes_ - acked_bytes_ >= opts_.window_bytes) return 0;
+  return uint32_t(std::min<uint64_t>(sq_depth_ - (next_seq_ - completed_seq_), opts_.max_chain));
+}
+
+int Endpoint::post_chain_locked(Cursor& c, uint32_t n, std::string* why) {
+  // Caller made sure n work requests fit the send queue. With a send window the chain ends early, at
+  // the work request that fills it.
+  n = uint32_t(std::min<uint64_t>(n, c.total - c.next));
+  const uint64_t window = opts_.window_bytes;
+  const uint64_t quarter = window ? std::max<uint64_t>(1, window / 4) : 0;
+  uint64_t bytes = posted_bytes_;  // posted so far, counting this chain's work requests
+  uint32_t k = 0;
+  while (k < n) {
+    ibv_send_wr& wr = wrs_[k];
+    ibv_sge& sge = sges_[k];
+    wr = ibv_send_wr{};
+    const uint64_t seq = next_seq_ + 1 + k;
+    wr.wr_id = seq;
+    const bool last_of_req = c.next + k + 1 == c.total;
+    uint64_t len = 0;
+    if (!c.pure_flag) {
+      const Desc& d = c.descs[c.cur_d];
+      len = std::min<uint64_t>(c.slice, d.length - c.cur_off);
+      sge.addr = d.local_addr + c.cur_off;
+      sge.length = uint32_t(len);
+      sge.lkey = c.lkeys[c.cur_d];
+      wr.sg_list = &sge;
+      wr.num_sge = 1;
+      wr.wr.rdma.remote_addr = d.remote_addr + c.cur_off;
+      wr.wr.rdma.rkey = d.rkey;
+      c.cur_off += len;
+      if (c.cur_off == d.length) {
+        ++c.cur_d;
+        c.cur_off = 0;
+        c.skip_empty();
+      }
+    }
+    if (c.op == Op::kRead) {
+      wr.opcode = IBV_WR_RDMA_READ;
+    } else if (c.op == Op::kWriteImm && last_of_req) {
+      wr.opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
+      wr.imm_data = htonl(c.imm);
+    } else {
+      wr.opcode = IBV_WR_RDMA_WRITE;
+    }
+    if (c.op != Op::kRead && len && len <= opts_.max_inline) wr.send_flags |= IBV_SEND_INLINE;
+    bool end = k + 1 == n;
+    // Selective signaling: the last WR of the request, of the chain, and every signal_every-th; with a
+    // window also each one that crosses a quarter of it, so that room comes back while the rest flies.
+    bool signal = last_of_req || seq % signal_every_ == 0;
+    if (window) {
+      signal = signal || bytes / quarter != (bytes + len) / quarter;
+      bytes += len;
+      posted_at_[seq % sq_depth_] = bytes;
+      if (bytes - acked_bytes_ >= window) end = true;
+    }
+    if (signal || end) {
+      wr.send_flags |= IBV_SEND_SIGNALED;
+      ++stats_.signaled;
+    }
+    wr.next = end ? nullptr : &wrs_[k + 1];
+    ++k;
+    if (end) break;
+  }
+  ibv_send_wr* bad = nullptr;
+  int rc = ibv_post_send(qp_->get(), &wrs_[0], &bad);
+  if (rc != 0) {
+    // Whatever was accepted before `bad` is in flight and will complete; the rest was not posted.
+    const uint32_t accepted = bad ? uint32_t(bad - &wrs_[0]) : 0;
+    *why = CallDesc("ibv_post_send").arg("qpn", qp_->qpn()).arg("op", op_name(c.op)).arg("chain", k)
+               .arg("accepted", accepted).arg("outstanding", next_seq_ - completed_seq_).str() +
+           " failed: " + errno_str(rc);
+    next_seq_ += accepted;
+    if (window) posted_bytes_ = accepted ? posted_at_[next_seq_ % sq_depth_] : posted_bytes_;
+    return rc;
+  }
+  next_seq_ += k;
+  c.next += k;
+  if (window) posted_bytes_ = bytes;
+  stats_.posted_wrs += k;
+  ++stats_.doorbells;
+  return 0;
+}
+
+void Endpoint::queue_rest_locked(const Cursor& c) {
+  // Keeps what is not posted yet: the descriptors from the current one on (the cursor's offset into it stays).
+  Pending& p = pending_.emplace_back();
+  p.c = c;
+  if (c.n_descs) {
+    p.descs.assign(c.descs + c.cur_d, c.descs + c.n_descs);
+    p.lkeys.assign(c.lkeys + c.cur_d, c.lkeys + c.n_descs);
+  }
+  p.c.descs = p.descs.data();
+  p.c.lkeys = p.lkeys.data();
+  p.c.n_descs = p.descs.size();
+  p.c.cur_d = 0;
+  has_pending_ = true;
+}
+
+void Endpoint::pump_locked() {
+  Clock::time_point now{};
+  while (!pending_.empty() && !dead_ && !closed_) {
+    Pending& p = pending_.front();
+    Req* r = reqs_.find(p.c.id);
+    if (r && r->status == Status::kWaiting && r->deadline != Clock::time_point::max()) {
+      if (now == Clock::time_point{}) now = Clock::now();
+      if (now >= r->deadline) {
+        r->status = Status::kTimeout;
+        r->error = "request " + std::to_string(p.c.id) + " passed its deadline with " + std::to_string(p.c.next) +
+                   " of " + std::to_string(p.c.total) + " work requests posted (the rest waited for the send window)";
+      }
+    }
+    if (!r || r->status != Status::kWaiting) {  // timed out: what was posted flies on, the rest is dropped
+      pending_.pop_front();
+      continue;
+    }
+    const uint32_t n = room_locked();
+    if (!n) break;
+    std::string why;
+    if (post_chain_locked(p.c, n, &why) != 0) {
+      mark_dead_locked(why);  // fails every request, the pending ones too
+      return;
+    }
+    if (p.c.next == p.c.total) {
+      inflight_.emplace_back(next_seq_, p.c.id);
+      pending_.pop_front();
+    }
+  }
+  has_pending_ = !pending_.empty();
+}
+
+int Endpoint::send_fd() const { return send_ch_->fd(); }
+
+bool Endpoint::send_event() {
+  std::lock_guard<util::Mutex> g(mu_);
+  if (channel_waiter_) return false;  // a waiter sleeps on the channel: it takes the event and pumps
+  if (closed_) return true;
+  send_cq_->wait_event(milliseconds(0));  // takes the event if it is still there, and re-arms the CQ
+  if (connected_) progress_locked(int(sq_depth_));
+  return true;
+}
+
 uint64_t Endpoint::submit(Op op, const std::vector<Desc>& descs, uint32_t imm, milliseconds timeout) {
   // Validate everything before posting anything. (No heap allocation on the small-request path:
   // this runs once per transfer and shows up directly in the 8 B latency.)
@@ -160,7 +318,7 @@ uint64_t Endpoint::submit(Op op, const std::vector<Desc>& descs, uint32_t imm, m
     total += (d.length + slice - 1) / slice;
     bytes += d.length;
   }
-  if (opts_.max_slices && total > opts_.max_slices + descs.size()) {  // larger slices (see EndpointOptions)
+  if (!opts_.window_bytes && opts_.max_slices && total > opts_.max_slices + descs.size()) {  // see EndpointOptions
     const uint64_t even = (bytes + opts_.max_slices - 1) / opts_.max_slices;
     slice = std::min<uint64_t>((even + 4095) & ~uint64_t(4095), max_slice_);  // whole pages: whole packets
     total = 0;
@@ -184,16 +342,39 @@ uint64_t Endpoint::submit(Op op, const std::vector<Desc>& descs, uint32_t imm, m
     return id;
   }
 
-  // Cursor over the slices: descriptor index and offset inside it (zero-length descriptors skipped).
-  size_t cur_d = 0;
-  uint64_t cur_off = 0;
-  auto skip_empty = [&] { while (cur_d < descs.size() && descs[cur_d].length == 0) ++cur_d; };
-  skip_empty();
-  uint64_t next = 0;
-  while (next < total) {
+  Cursor c;
+  c.id = id;
+  c.op = op;
+  c.imm = imm;
+  c.pure_flag = pure_flag;
+  c.descs = descs.data();
+  c.lkeys = lkeys;
+  c.n_descs = descs.size();
+  c.slice = slice;
+  c.total = total;
+  c.skip_empty();
+  std::string why;
+  if (opts_.window_bytes) {
+    // Posts what the window holds now, behind what already waits for it, and keeps the rest for the pump.
+    if (pending_.empty()) {
+      while (c.next < c.total) {
+        const uint32_t n = room_locked();
+        if (!n) break;
+        if (int rc = post_chain_locked(c, n, &why)) {
+          reqs_.erase(id);
+          mark_dead_locked(why);
+          throw Error(why, rc);
+        }
+      }
+    }
+    if (c.next < c.total) queue_rest_locked(c);
+    else inflight_.emplace_back(next_seq_, id);
+    return id;
+  }
+  while (c.next < c.total) {
     if (dead_ || closed_) break;  // failed or closed meanwhile (fail_all_locked freed the "room")
     // Backpressure: wait until a whole chain fits, so doorbells stay batched under load.
-    uint32_t want = uint32_t(std::min<uint64_t>(opts_.max_chain, total - next));
+    const uint32_t want = uint32_t(std::min<uint64_t>(opts_.max_chain, c.total - c.next));
     if (sq_depth_ - (next_seq_ - completed_seq_) < want) {
       bool room;
       try {
@@ -205,71 +386,16 @@ uint64_t Endpoint::submit(Op op, const std::vector<Desc>& descs, uint32_t imm, m
       if (!room) {  // what was posted stays in flight; the request is reported TIMEOUT
         req.status = Status::kTimeout;
         req.error = "request " + std::to_string(id) + " timed out waiting for send-queue room after posting " +
-                    std::to_string(next) + " of " + std::to_string(total) + " work requests";
+                    std::to_string(c.next) + " of " + std::to_string(c.total) + " work requests";
         return id;
       }
       continue;
     }
-    uint32_t room = uint32_t(sq_depth_ - (next_seq_ - completed_seq_));
-    uint32_t n = uint32_t(std::min<uint64_t>({uint64_t(room), uint64_t(opts_.max_chain), total - next}));
-    for (uint32_t k = 0; k < n; ++k) {
-      ibv_send_wr& wr = wrs_[k];
-      ibv_sge& sge = sges_[k];
-      wr = ibv_send_wr{};
-      uint64_t seq = next_seq_ + 1 + k;
-      wr.wr_id = seq;
-      bool last_of_req = next + k + 1 == total;
-      uint64_t len = 0;
-      if (!pure_flag) {
-        const Desc& d = descs[cur_d];
-        len = std::min<uint64_t>(slice, d.length - cur_off);
-        sge.addr = d.local_addr + cur_off;
-        sge.length = uint32_t(len);
-        sge.lkey = lkeys[cur_d];
-        wr.sg_list = &sge;
-        wr.num_sge = 1;
-        wr.wr.rdma.remote_addr = d.remote_addr + cur_off;
-        wr.wr.rdma.rkey = d.rkey;
-        cur_off += len;
-        if (cur_off == d.length) {
-          ++cur_d;
-          cur_off = 0;
-          skip_empty();
-        }
-      }
-      if (op == Op::kRead) {
-        wr.opcode = IBV_WR_RDMA_READ;
-      } else if (op == Op::kWriteImm && last_of_req) {
-        wr.opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
-        wr.imm_data = htonl(imm);
-      } else {
-        wr.opcode = IBV_WR_RDMA_WRITE;
-      }
-      if (op != Op::kRead && len && len <= opts_.max_inline) wr.send_flags |= IBV_SEND_INLINE;
-      // Selective signaling: the last WR of the request, of the chain, and every signal_every-th.
-      if (last_of_req || k + 1 == n || seq % signal_every_ == 0) {
-        wr.send_flags |= IBV_SEND_SIGNALED;
-        ++stats_.signaled;
-      }
-      wr.next = k + 1 < n ? &wrs_[k + 1] : nullptr;
-    }
-    ibv_send_wr* bad = nullptr;
-    int rc = ibv_post_send(qp_->get(), &wrs_[0], &bad);
-    if (rc != 0) {
-      // Whatever was accepted before `bad` is in flight and will complete; the rest was not posted.
-      uint32_t accepted = bad ? uint32_t(bad - &wrs_[0]) : 0;
-      std::string why = CallDesc("ibv_post_send").arg("qpn", qp_->qpn()).arg("op", op_name(op)).arg("chain", n)
-                            .arg("accepted", accepted).arg("outstanding", next_seq_ - completed_seq_).str() +
-                        " failed: " + errno_str(rc);
-      next_seq_ += accepted;
+    if (int rc = post_chain_locked(c, room_locked(), &why)) {
       reqs_.erase(id);
       mark_dead_locked(why);
       throw Error(why, rc);
     }
-    next_seq_ += n;
-    next += n;
-    stats_.posted_wrs += n;
-    ++stats_.doorbells;
   }
   if (req.status == Status::kWaiting && (dead_ || closed_)) {
     req.status = Status::kFailed;
@@ -289,6 +415,14 @@ bool Endpoint::done_locked(uint64_t id) {
   if (r.status == Status::kWaiting && r.deadline != Clock::time_point::max() && Clock::now() >= r.deadline) {
     r.status = Status::kTimeout;
     r.error = "request " + std::to_string(id) + " passed its deadline";
+    // Still waiting for the send window: what was posted flies on, the rest is dropped.
+    auto it = std::find_if(pending_.begin(), pending_.end(), [id](const Pending& p) { return p.c.id == id; });
+    if (it != pending_.end()) {
+      r.error += " with " + std::to_string(it->c.next) + " of " + std::to_string(it->c.total) +
+                 " work requests posted (the rest waited for the send window)";
+      pending_.erase(it);
+      has_pending_ = !pending_.empty();
+    }
   }
   return r.status != Status::kWaiting;
 }

@@ -89,14 +89,14 @@ class Endpoint:
                  sq_depth: int = 256, rq_depth: int = 256, max_inline: int = 64,
                  slice_bytes: int = 4 << 20, max_chain: int = 64, busy_poll_us: int = 20,
                  traffic_class: int = 0, service_level: int = 0, timeout: int = 14, retry_cnt: int = 7,
-                 auth_token: Optional[str] = None):
+                 auth_token: Optional[str] = None, window_bytes: int = 0):
         if auth_token is None:
             auth_token = os.environ.get(ENV_AUTH_TOKEN, "")
         if not isinstance(auth_token, str):
             raise HixlError(f"Endpoint: auth_token must be a str, got {type(auth_token).__name__}")
         self._ep = _core.Endpoint(device or "", port, -1 if gid_index is None else gid_index, sq_depth,
                                   rq_depth, max_inline, slice_bytes, max_chain, busy_poll_us, traffic_class,
-                                  service_level, timeout, retry_cnt, auth_token)
+                                  service_level, timeout, retry_cnt, auth_token, window_bytes)
         self._regions: dict[int, MemoryRegion] = {}
 
     # -- connection -------------------------------------------------------------------------
@@ -241,6 +241,12 @@ class Endpoint:
     @property
     def slice_bytes(self) -> int:
         return self._ep.slice_bytes
+
+    @property
+    def window_bytes(self) -> int:
+        """Bytes of work requests in flight at most (0: the send queue bounds them). What does not fit
+        waits in the endpoint and is posted as completions come back, by whoever polls or waits."""
+        return self._ep.window_bytes
 
     @property
     def raw(self) -> "_core.Endpoint":

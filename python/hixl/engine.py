@@ -231,7 +231,8 @@ class Hixl(Signals):
                 rdma_timeout=-1 if p.rdma_timeout is None else p.rdma_timeout,
                 rdma_retry_count=-1 if p.rdma_retry_count is None else p.rdma_retry_count,
                 rdma_qps_per_link=-1 if p.rdma_qps_per_link is None else p.rdma_qps_per_link,
-                rdma_max_wr_bytes=-1 if p.rdma_max_wr_bytes is None else p.rdma_max_wr_bytes))
+                rdma_max_wr_bytes=-1 if p.rdma_max_wr_bytes is None else p.rdma_max_wr_bytes,
+                rdma_send_window_bytes=-1 if p.rdma_send_window_bytes is None else p.rdma_send_window_bytes))
             if rc == SUCCESS and p.metrics_port is not None:
                 try:
                     self._metrics_server = _metrics.Server(self._read_metrics, host, p.metrics_port)

@@ -214,6 +214,7 @@ OPTION_HIXL_RDMA_TIMEOUT = "HixlRdmaTimeout"            # QP ACK timeout 4.096 u
 OPTION_HIXL_RDMA_RETRY_COUNT = "HixlRdmaRetryCount"     # QP retransmissions before it fails, 0..7 (default 7)
 OPTION_HIXL_RDMA_QPS_PER_LINK = "HixlRdmaQpsPerLink"    # RC QPs a link stripes its bytes over, 1..16 (default 1; 4 on rxe)
 OPTION_HIXL_RDMA_MAX_WR_BYTES = "HixlRdmaMaxWrBytes"    # bytes one work request carries at most, 4096..2^30 (default 4 MiB; 16 KiB on rxe)
+OPTION_HIXL_RDMA_SEND_WINDOW_BYTES = "HixlRdmaSendWindowBytes"  # bytes in flight per QP, 0..2^30 (default 0: none; 64 KiB on rxe)
 
 TRANSPORTS = ("auto", "rdma", "shm", "tcp")
 ENV_TRANSPORT = "HIXL_TRANSPORT"
@@ -229,7 +230,7 @@ CANN_OPTIONS = (OPTION_ENABLE_USE_FABRIC_MEM, OPTION_RDMA_TRAFFIC_CLASS, OPTION_
 HIXL_OPTIONS = (OPTION_HIXL_TRANSPORT, OPTION_HIXL_DEVICE, OPTION_HIXL_GID_INDEX, OPTION_HIXL_AUTH_TOKEN,
                 OPTION_HIXL_ASYNC_TIMEOUT_MS, OPTION_HIXL_HEARTBEAT_MS, OPTION_HIXL_HEARTBEAT_MISSES,
                 OPTION_HIXL_METRICS_PORT, OPTION_HIXL_RDMA_TIMEOUT, OPTION_HIXL_RDMA_RETRY_COUNT,
-                OPTION_HIXL_RDMA_QPS_PER_LINK, OPTION_HIXL_RDMA_MAX_WR_BYTES)
+                OPTION_HIXL_RDMA_QPS_PER_LINK, OPTION_HIXL_RDMA_MAX_WR_BYTES, OPTION_HIXL_RDMA_SEND_WINDOW_BYTES)
 ADXL_PREFIX = "adxl."
 # CANN reads the RDMA traffic class and service level from these when the option is absent (as we do).
 # Unlike CANN we keep 0/0 when neither is set: its 132/4 fit Ascend fabrics, not a generic RoCE network.
@@ -268,6 +269,7 @@ _INT_OPTIONS = {
     OPTION_HIXL_RDMA_RETRY_COUNT: ("rdma_retry_count", 0, 7),
     OPTION_HIXL_RDMA_QPS_PER_LINK: ("rdma_qps_per_link", 1, 16),
     OPTION_HIXL_RDMA_MAX_WR_BYTES: ("rdma_max_wr_bytes", 4096, 2 ** 30),
+    OPTION_HIXL_RDMA_SEND_WINDOW_BYTES: ("rdma_send_window_bytes", 0, 2 ** 30),
 }
 _DECIMAL = re.compile(r"[0-9]+")
 _BUFFER_POOL = re.compile(r"([0-9]+):([0-9]+)")
@@ -297,6 +299,7 @@ class ParsedOptions:
     rdma_retry_count: Optional[int] = None
     rdma_qps_per_link: Optional[int] = None
     rdma_max_wr_bytes: Optional[int] = None
+    rdma_send_window_bytes: Optional[int] = None
     enable_use_fabric_mem: Optional[str] = None
     buffer_pool: Optional[str] = None
     global_resource_config: Optional[str] = None
@@ -541,7 +544,7 @@ __all__ = [
     "OPTION_LOCAL_COMM_RES", "OPTION_HIXL_TRANSPORT", "OPTION_HIXL_DEVICE",
     "OPTION_HIXL_GID_INDEX", "OPTION_HIXL_AUTH_TOKEN", "OPTION_HIXL_ASYNC_TIMEOUT_MS", "OPTION_HIXL_HEARTBEAT_MS",
     "OPTION_HIXL_HEARTBEAT_MISSES", "OPTION_HIXL_METRICS_PORT", "OPTION_HIXL_RDMA_TIMEOUT", "OPTION_HIXL_RDMA_RETRY_COUNT",
-    "OPTION_HIXL_RDMA_QPS_PER_LINK", "OPTION_HIXL_RDMA_MAX_WR_BYTES",
+    "OPTION_HIXL_RDMA_QPS_PER_LINK", "OPTION_HIXL_RDMA_MAX_WR_BYTES", "OPTION_HIXL_RDMA_SEND_WINDOW_BYTES",
     "TRANSPORTS", "ENV_TRANSPORT", "ENV_AUTH_TOKEN",
     "ENV_METRICS_PORT",
     "MAX_AUTH_TOKEN_BYTES", "ParsedOptions", "parse_options", "CANN_OPTIONS", "HIXL_OPTIONS", "ENV_RDMA_TC",

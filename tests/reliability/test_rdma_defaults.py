@@ -1,7 +1,7 @@
 """The rdma defaults follow the device (issue 18): on Soft-RoCE (rxe, vendor id 0xffffff) a link has 4 queue
 pairs unless told otherwise, on hardware 1; the ACK timeout is 14 (67 ms) on both; work requests carry at
 most 16 KiB on Soft-RoCE (more when a queue pair's share of a request would take more than 16 of them),
-4 MiB on hardware (engine/types.h).
+4 MiB on hardware; no send window on either (engine/types.h).
 
 rxe runs over ordinary Ethernet, which loses packets, and waits out a full ACK timeout for a lost packet
 no NAK reports: on the two-host link (tests/twohost/test_faults.py) one queue pair kept 0.21x-0.28x of its
@@ -61,6 +61,8 @@ def test_a_link_takes_the_devices_defaults_unless_told_otherwise(a_opts, b_opts,
         # share of a request takes at most 16 of them (larger ones past 256 KiB).
         soft = _soft_roce(ia["device"])
         assert ia["rdma_max_wr_bytes"] == ib["rdma_max_wr_bytes"] == (16 * 1024 if soft else 4 << 20), (ia, ib)
+        # No send window by default (HixlRdmaSendWindowBytes: opt-in, README).
+        assert ia["rdma_send_window_bytes"] == ib["rdma_send_window_bytes"] == 0, (ia, ib)
         # The link moves bytes across all its queue pairs (stripes of at least 64 KiB each).
         for size, stripes in ((256 * 1024, min(4, want)), (n, want)):
             posted = a.get_link_info(b.local_engine)[1]["posted_wrs"]

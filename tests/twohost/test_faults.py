@@ -52,7 +52,11 @@ OTHER_RDMA = {"rdma 1qp t=14": {"HixlRdmaQpsPerLink": "1", "HixlRdmaTimeout": "1
               "rdma 1qp t=12": {"HixlRdmaQpsPerLink": "1", "HixlRdmaTimeout": "12"},
               "rdma 4qp t=12": {"HixlRdmaQpsPerLink": "4", "HixlRdmaTimeout": "12"},
               "rdma 4qp 4MiB": {"HixlRdmaQpsPerLink": "4", "HixlRdmaTimeout": "14",  # the rxe default until now
-                                "HixlRdmaMaxWrBytes": str(4 << 20)}}
+                                "HixlRdmaMaxWrBytes": str(4 << 20)},
+              # A send window (opt-in): fewer packets resent per loss, but each queue pair capped at 64 KiB
+              # per round trip, which is long under emulation.
+              "rdma 4qp win64K": {"HixlRdmaQpsPerLink": "4", "HixlRdmaTimeout": "14",
+                                  "HixlRdmaSendWindowBytes": str(64 << 10)}}
 HEARTBEAT = {"HixlHeartbeatMs": "200", "HixlHeartbeatMisses": "10"}  # as peer.py: a dead link after 2 s
 MIB = 1 << 20
 TIMEOUT_MS = 20000  # each transfer's
@@ -180,13 +184,15 @@ def sides():
     peer = _peer()
     s = {t: Side(t, peer) for t in TRANSPORTS}
     info = s["rdma"].e.get_link_info(s["rdma"].remote)[1]
-    assert (info["qps"], info["rdma_timeout"], info["rdma_max_wr_bytes"]) == (4, 14, 16384), info  # rxe's defaults
+    assert (info["qps"], info["rdma_timeout"], info["rdma_max_wr_bytes"], info["rdma_send_window_bytes"]) == (
+        4, 14, 16384, 0), info  # rxe's defaults
     for name, opts in OTHER_RDMA.items():
         s[name] = Side("rdma", peer, opts, listen=True)
         info = s[name].e.get_link_info(s[name].remote)[1]
         assert (info["qps"], info["rdma_timeout"], info["rdma_max_wr_bytes"]) == (
             int(opts["HixlRdmaQpsPerLink"]), int(opts["HixlRdmaTimeout"]),
             int(opts.get("HixlRdmaMaxWrBytes", 16384))), (name, info)
+        assert info["rdma_send_window_bytes"] == int(opts.get("HixlRdmaSendWindowBytes", 0)), (name, info)
     yield s
     for side in s.values():
         side.close()
@@ -214,7 +220,8 @@ def test_the_other_rdma_settings_under_loss_for_comparison(sides, side, fault):
     link's bytes striped over 4 queue pairs, one waiting out a retransmission leaves the others busy
     (ib_write_bw -q 4 across this link: 2-3x the bandwidth of one queue pair at 1 % loss, ~1.5x clean).
     rxe asks for an ACK at the end of each work request (else every 65th packet) and ignores a second NAK
-    until one came: smaller work requests shorten that stretch ("4qp 4MiB" is the old default)."""
+    until one came: smaller work requests shorten that stretch ("4qp 4MiB" is the old default). "4qp win64K"
+    bounds the bytes in flight per queue pair (go-back-N resends less per loss) at the cost of clean bandwidth."""
     _under_fault(sides[side], side, fault)
 
 
@@ -402,7 +409,7 @@ def test_z_a_frozen_peer_host_ends_everything_within_its_timeout_and_connect_wor
 
 
 def test_zz_the_peer_host_removed_mid_transfer_ends_everything_within_its_timeout(sides):
-    for name in ("rdma", "rdma 4qp t=12", "rdma 4qp 4MiB"):  # 4 queue pairs per link: the module's doc (B's QEMU)
+    for name in ("rdma", "rdma 4qp t=12", "rdma 4qp 4MiB", "rdma 4qp win64K"):  # 4 queue pairs per link: the module's doc (B's QEMU)
         sides.pop(name).close()
     reqs = _push(sides, 16)
     t_kill = _host("kill", "killed")  # the host removes guest A now
