@@ -214,7 +214,7 @@ OPTION_HIXL_RDMA_TIMEOUT = "HixlRdmaTimeout"            # QP ACK timeout 4.096 u
 OPTION_HIXL_RDMA_RETRY_COUNT = "HixlRdmaRetryCount"     # QP retransmissions before it fails, 0..7 (default 7)
 OPTION_HIXL_RDMA_QPS_PER_LINK = "HixlRdmaQpsPerLink"    # RC QPs a link stripes its bytes over, 1..16 (default 1; 4 on rxe)
 OPTION_HIXL_RDMA_MAX_WR_BYTES = "HixlRdmaMaxWrBytes"    # bytes one work request carries at most, 4096..2^30 (default 4 MiB; 16 KiB on rxe)
-OPTION_HIXL_RDMA_SEND_WINDOW_BYTES = "HixlRdmaSendWindowBytes"  # bytes in flight per QP, 0..2^30 (default 0: none; 64 KiB on rxe)
+OPTION_HIXL_RDMA_SEND_WINDOW_BYTES = "HixlRdmaSendWindowBytes"  # bytes in flight per QP, 0..2^30 (default 0: none, opt-in)
 
 TRANSPORTS = ("auto", "rdma", "shm", "tcp")
 ENV_TRANSPORT = "HIXL_TRANSPORT"
