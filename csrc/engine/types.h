@@ -81,7 +81,7 @@ struct Options {
   // again, up to 128 packets): a window bounds that, and at 1 % loss across the two-host link 64 KiB
   // kept 0.58x-0.77x of the clean bandwidth where none kept 0.45x-0.61x. But it caps each queue pair at
   // window / round trip, and that round trip is long under emulation: clean, it cost 17 % (1 MiB
-  // requests) to 37 % (8 MiB) of the bandwidth for about the same bytes under loss. Not a default for
+  // requests) to 34 % (8 MiB) of the bandwidth for about the same bytes under loss. Not a default for
   // that reason: a fixed window fits one bandwidth-delay product (README, failure table).
   int64_t rdma_send_window_bytes = -1;
   static constexpr int64_t kMaxSendWindowBytes = 1ll << 30;

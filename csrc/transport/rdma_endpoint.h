@@ -219,6 +219,8 @@ class Endpoint {
   // Posts pending requests, in order, while the window and the send queue have room.
   void pump_locked();
   void queue_rest_locked(const Cursor& c);
+  // What an error adds for a request that ended while part of it still waited for the send window.
+  static std::string pending_note(const Cursor& c);
 
   EndpointOptions opts_;
   // Declaration order = reverse teardown order: PD (holding the context) first, QP last.

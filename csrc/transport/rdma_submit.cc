@@ -14,6 +14,11 @@ namespace hixl::rdma {
 
 using std::chrono::milliseconds;
 
+std::string Endpoint::pending_note(const Cursor& c) {
+  return " with " + std::to_string(c.next) + " of " + std::to_string(c.total) +
+         " work requests posted (the rest waited for the send window)";
+}
+
 void Endpoint::mark_dead_locked(const std::string& why) {
   if (!dead_) {
     dead_reason_ = why;
@@ -37,8 +42,7 @@ void Endpoint::fail_all_locked(const std::string& why) {
     Req* r = reqs_.find(p.c.id);
     if (r && r->status == Status::kWaiting) {
       r->status = Status::kFailed;
-      r->error = why + " (" + std::to_string(p.c.next) + " of " + std::to_string(p.c.total) +
-                 " work requests were posted; the rest waited for the send window)";
+      r->error = why + pending_note(p.c);
     }
   }
   pending_.clear();
@@ -262,8 +266,7 @@ void Endpoint::pump_locked() {
       if (now == Clock::time_point{}) now = Clock::now();
       if (now >= r->deadline) {
         r->status = Status::kTimeout;
-        r->error = "request " + std::to_string(p.c.id) + " passed its deadline with " + std::to_string(p.c.next) +
-                   " of " + std::to_string(p.c.total) + " work requests posted (the rest waited for the send window)";
+        r->error = "request " + std::to_string(p.c.id) + " passed its deadline" + pending_note(p.c);
       }
     }
     if (!r || r->status != Status::kWaiting) {  // timed out: what was posted flies on, the rest is dropped
@@ -418,8 +421,7 @@ bool Endpoint::done_locked(uint64_t id) {
     // Still waiting for the send window: what was posted flies on, the rest is dropped.
     auto it = std::find_if(pending_.begin(), pending_.end(), [id](const Pending& p) { return p.c.id == id; });
     if (it != pending_.end()) {
-      r.error += " with " + std::to_string(it->c.next) + " of " + std::to_string(it->c.total) +
-                 " work requests posted (the rest waited for the send window)";
+      r.error += pending_note(it->c);
       pending_.erase(it);
       has_pending_ = !pending_.empty();
     }
