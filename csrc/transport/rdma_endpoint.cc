@@ -44,11 +44,15 @@ uint32_t wire_access(int verbs_access) {
 
 }  // namespace
 
-// A deadline `timeout` from now; negative = never. Clamped so huge values cannot overflow the clock.
-Clock::time_point deadline_after(milliseconds timeout) {
+// A deadline `timeout` after `now`; negative = never. Clamped so huge values cannot overflow the clock.
+Clock::time_point deadline_after(Clock::time_point now, milliseconds timeout) {
   constexpr milliseconds kMax(1000LL * 3600 * 24 * 365);  // a year is "forever" here
   if (timeout.count() < 0) return Clock::time_point::max();
-  return Clock::now() + std::min(timeout, kMax);
+  return now + std::min(timeout, kMax);
+}
+
+Clock::time_point deadline_after(milliseconds timeout) {
+  return timeout.count() < 0 ? Clock::time_point::max() : deadline_after(Clock::now(), timeout);
 }
 
 Endpoint::Endpoint(const EndpointOptions& opts) : opts_(opts) {

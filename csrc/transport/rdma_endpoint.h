@@ -31,7 +31,9 @@ enum class Op : int { kRead = 0, kWrite = 1, kWriteImm = 2 };
 enum class Status : int { kWaiting = 0, kCompleted = 1, kTimeout = 2, kFailed = 3 };
 
 const char* op_name(Op op);
-// A deadline `timeout` from now; negative = never. Clamped so huge values cannot overflow the clock.
+// A deadline `timeout` after `now` (or from now); negative = never. Clamped so huge values cannot
+// overflow the clock. Without a timeout the clock is not read.
+Clock::time_point deadline_after(Clock::time_point now, std::chrono::milliseconds timeout);
 Clock::time_point deadline_after(std::chrono::milliseconds timeout);
 
 struct EndpointOptions {
