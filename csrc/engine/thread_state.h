@@ -8,6 +8,7 @@
 
 #include "engine/link_table.h"
 #include "transport/rdma_endpoint.h"
+#include "util/recent_clock.h"
 
 namespace hixl::engine {
 
@@ -15,6 +16,7 @@ struct ThreadState {
   std::string last_error;           // detail::last_error(): why this thread's last call did not succeed
   std::vector<rdma::Desc> scratch;  // a transfer's checked descriptors (reused: no allocation per transfer)
   LinkLookup last_link;             // LinkTable::find's answer to this thread's last lookup
+  util::RecentClock clock;          // an async transfer's start: its deadline's base
 };
 
 ThreadState& thread_state();

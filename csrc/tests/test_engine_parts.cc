@@ -2,6 +2,7 @@
 // link table, the handshake limits, the request table (over a scripted data path), the slab behind
 // the request tables, the lock of the request path (util::Mutex) and the prepared descriptor lists. Their behaviour through the engine is covered by pytest.
 #include <poll.h>
+#include <sched.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -20,6 +21,7 @@
 #include "engine/requests.h"
 #include "util/id_slab.h"
 #include "util/mutex.h"
+#include "util/recent_clock.h"
 #include "util/ticks.h"
 
 using namespace hixl;
@@ -526,6 +528,47 @@ void id_slab() {
   CHECK(s.size() == 0 && !s.find(b) && s.add("again") != 0);
 }
 
+// util::RecentClock: never before steady_clock's now, at most kSlack after it, on one CPU and when
+// the thread moves between CPUs, across sleeps, and when calls come just under and over kReuse
+// apart; and back-to-back calls reuse one clock read (x86: the same value comes back).
+void recent_clock() {
+  using std::chrono::steady_clock;
+  using std::chrono::microseconds;
+  util::RecentClock rc;
+  cpu_set_t all;
+  const bool pin = sched_getaffinity(0, sizeof all, &all) == 0 && CPU_COUNT(&all) > 1;
+  std::vector<int> cpus;
+  for (int c = 0; pin && c < CPU_SETSIZE; ++c)
+    if (CPU_ISSET(c, &all)) cpus.push_back(c);
+  int reused = 0, bad = 0;
+  steady_clock::time_point prev{};
+  for (int i = 0; i < 20000 && bad < 3; ++i) {
+    if (pin && i % 100 == 0) {  // move to another CPU: its counter may differ from the last one's
+      cpu_set_t one;
+      CPU_ZERO(&one);
+      CPU_SET(cpus[size_t(i / 100) % cpus.size()], &one);
+      sched_setaffinity(0, sizeof one, &one);
+    }
+    if (i % 1000 == 999) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    if (i % 50 == 3) {  // calls about kReuse apart
+      const auto until = steady_clock::now() + microseconds(i % 2 ? 400 : 600);
+      while (steady_clock::now() < until) {
+      }
+    }
+    const auto before = steady_clock::now();
+    const auto t = rc.now_at_least();
+    const auto after = steady_clock::now();
+    if (t == prev) ++reused;
+    prev = t;
+    if (t < before || t > after + util::RecentClock::kSlack) ++bad;
+  }
+  if (pin) sched_setaffinity(0, sizeof all, &all);
+  CHECK(bad == 0);
+#if defined(__x86_64__)
+  CHECK(reused > 1000);
+#endif
+}
+
 // util::Mutex: mutual exclusion under contention (more threads than cores, so holders are
 // preempted and waiters sleep on the futex), try_lock, and a condition_variable_any over it.
 void mutex() {
@@ -599,6 +642,7 @@ void desc_lists() {
 int main() {
   id_slab();
   mutex();
+  recent_clock();
   desc_lists();
   registry();
   inbox();
