@@ -9,14 +9,18 @@
 // last clock read with the cycle counter's value and CPU (rdtscp) just before it; a later call on
 // the same CPU whose counter moved forward by less than kReuse's worth of ticks returns that read
 // + kSlack. One CPU's counter only moves forward, and kSlack is twice kReuse, so a rate measured
-// off by up to half still keeps the bound. Elsewhere (another CPU, a counter that went back, no
-// rdtscp): a fresh read.
+// off by up to half still keeps the bound. Elsewhere (another CPU, a counter that went back, a CPU
+// without rdtscp): a fresh read.
 #pragma once
 
 #include <chrono>
 #include <cstdint>
 
 #include "util/ticks.h"
+
+#if defined(__x86_64__)
+#include <cpuid.h>
+#endif
 
 namespace hixl::util {
 
@@ -28,6 +32,7 @@ class RecentClock {
 
   Clock::time_point now_at_least() {
 #if defined(__x86_64__)
+    if (!has_rdtscp()) return Clock::now() + kSlack;
     unsigned cpu = 0;
     const uint64_t t = __rdtscp(&cpu);
     if (cpu == cpu_ && t >= tsc_ && t - tsc_ < reuse_ticks()) return at_ + kSlack;
@@ -41,6 +46,16 @@ class RecentClock {
   }
 
  private:
+#if defined(__x86_64__)
+  // Not every virtual CPU model has it (QEMU's qemu64 and kvm64 do not): executing it there is SIGILL.
+  static bool has_rdtscp() {
+    static const bool yes = [] {
+      unsigned a = 0, b = 0, c = 0, d = 0;
+      return __get_cpuid(0x80000001u, &a, &b, &c, &d) && (d & (1u << 27)) != 0;
+    }();
+    return yes;
+  }
+#endif
   static uint64_t reuse_ticks() {
     static const uint64_t n = uint64_t(double(std::chrono::nanoseconds(kReuse).count()) / ns_per_tick());
     return n;
