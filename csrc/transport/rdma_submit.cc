@@ -464,14 +464,12 @@ bool Endpoint::wait_done(uint64_t id, milliseconds timeout) {
   std::unique_lock<util::Mutex> lk(mu_);
   // In a windowed stream the request waited for has mostly ended already: no clock read for that. A
   // clock_gettime the vDSO cannot serve (an HPET clocksource, as in the rxe VM) is a syscall, ~0.7 us.
+  uint64_t seen = completed_seq_;
   if (done_locked(id)) return true;
   auto now = Clock::now();
   const auto deadline = deadline_after(now, timeout);
   auto spin_until = now + spin_window_locked();
-  uint64_t seen = completed_seq_;
   for (;;) {
-    if (done_locked(id)) return true;
-    now = Clock::now();
     if (completed_seq_ != seen) {
       seen = completed_seq_;
       note_progress_locked(now);
@@ -480,9 +478,11 @@ bool Endpoint::wait_done(uint64_t id, milliseconds timeout) {
     if (now < spin_until) {  // busy poll: drop the lock so others can post meanwhile
       lk.unlock();
       lk.lock();
-      continue;
+    } else if (closed_ || !block_locked(lk, deadline)) {
+      return done_locked(id);
     }
-    if (closed_ || !block_locked(lk, deadline)) return done_locked(id);
+    if (done_locked(id)) return true;
+    now = Clock::now();
   }
 }
 
