@@ -125,11 +125,14 @@ int Engine::initialize(const std::string& local_engine, const Options& opts) {
     }
 
     opts_ = opts;
-    // Soft-RoCE's defaults, unless told otherwise: 4 queue pairs per link, 16 KiB work requests that grow
-    // for big requests (Options::kSoftRoce*, types.h). Elsewhere -1 keeps the endpoint's own defaults.
+    // Soft-RoCE's defaults, unless told otherwise: 8 queue pairs per link, each with a 64 KiB send window
+    // where the link is striped, 16 KiB work requests that grow for big requests where it has no window
+    // (Options::kSoftRoce*, types.h). Elsewhere -1 keeps the endpoint's own defaults.
     opts_.rdma_max_slices = 0;
     if (pd && pd->context()->soft_roce()) {
       if (opts_.rdma_qps_per_link < 0) opts_.rdma_qps_per_link = Options::kSoftRoceQpsPerLink;
+      if (opts_.rdma_send_window_bytes < 0 && opts_.rdma_qps_per_link > 1)
+        opts_.rdma_send_window_bytes = Options::kSoftRoceSendWindowBytes;
       if (opts_.rdma_max_wr_bytes < 0) {
         opts_.rdma_max_wr_bytes = Options::kSoftRoceMaxWrBytes;
         opts_.rdma_max_slices = Options::kSoftRoceMaxSlices;

@@ -52,12 +52,13 @@ struct Options {
   // over ordinary Ethernet, which loses packets, and recovers a lost packet that no NAK reports only
   // when the ACK timer fires: while one queue pair waits, the others keep the link busy. Across the
   // two-host link (ci/two-vm) 1 % loss kept 0.21x-0.28x of the clean bandwidth with one queue pair
-  // and 0.35x-0.51x with 4 (ACK timeout 14 both). The ACK timeout stays 14: at 12 (16 ms) the striped
-  // links mostly met 0.5x at 1 % loss (0.38x-0.61x), but twice in a day rxe failed a queue pair with "remote
-  // invalid request" on a clean link under load (a retransmission it mishandles). Hardware keeps one
-  // queue pair: it retransmits by itself on fabrics built not to drop, and 4x the queue pairs cost NIC
-  // cache per peer.
-  static constexpr int kSoftRoceQpsPerLink = 4;
+  // and 0.35x-0.51x with 4 (ACK timeout 14 both). With 8, each with the Soft-RoCE send window below,
+  // 0.63x-0.80x (12.8-14.9 MiB/s against 4 queue pairs' 9.9-10.5 in the same runs). The ACK timeout
+  // stays 14: at 12 (16 ms) the striped links mostly met 0.5x at 1 % loss (0.38x-0.61x), but twice in
+  // a day rxe failed a queue pair with "remote invalid request" on a clean link under load (a
+  // retransmission it mishandles). Hardware keeps one queue pair: it retransmits by itself on fabrics
+  // built not to drop, and 8x the queue pairs cost NIC cache per peer.
+  static constexpr int kSoftRoceQpsPerLink = 8;
   // The largest message one RDMA work request carries (4096..1 GiB; -1: EndpointOptions::slice_bytes,
   // 4 MiB, or on Soft-RoCE kSoftRoceMaxWrBytes); a longer descriptor is sliced into several work requests. The sending end's own.
   // rxe asks the peer for an ACK at the end of each work request, else every 65th packet, and once a NAK
@@ -73,18 +74,21 @@ struct Options {
   static constexpr int64_t kSoftRoceMaxWrBytes = 16 * 1024;
   static constexpr uint32_t kSoftRoceMaxSlices = 16;
   uint32_t rdma_max_slices = 0;  // set by initialize(): EndpointOptions::max_slices (the Soft-RoCE default)
-  // The most bytes a queue pair has posted and not yet completed (0..1 GiB; 0 or -1: none, as many work
-  // requests as its send queue holds). At least one work request flies. What does not fit waits in the
+  // The most bytes a queue pair has posted and not yet completed (0..1 GiB; 0: none, as many work
+  // requests as its send queue holds; -1: none, but on Soft-RoCE see below). At least one work request flies. What does not fit waits in the
   // endpoint, in order, and is posted as completions come back (rdma::EndpointOptions::window_bytes), so
   // a submit never waits for send-queue room and max_slices is not applied. The sending end's own.
   // rxe retransmits go-back-N (a lost packet makes it send everything of that queue pair after it
-  // again, up to 128 packets): a window bounds that, and at 1 % loss across the two-host link 64 KiB
-  // kept 0.58x-0.77x of the clean bandwidth where none kept 0.45x-0.61x. But it caps each queue pair at
-  // window / round trip, and that round trip is long under emulation: clean, it cost 17 % (1 MiB
-  // requests) to 34 % (8 MiB) of the bandwidth for about the same bytes under loss. Not a default for
-  // that reason: a fixed window fits one bandwidth-delay product (README, failure table).
+  // again, up to 128 packets): a window bounds that. But it caps each queue pair at window / round
+  // trip, and that round trip is long under emulation: with 4 queue pairs a 64 KiB window cost 17 %
+  // (1 MiB requests) to 34 % (8 MiB) of the clean bandwidth for about the same bytes under loss. With 8
+  // queue pairs the link keeps as many bytes in flight as 4 without a window, in smaller runs per
+  // queue pair. So on Soft-RoCE a striped link (rdma_qps_per_link > 1 at this end, as by default) has
+  // kSoftRoceSendWindowBytes by default; one queue pair has none (a window would cap the link).
+  // Elsewhere none: hardware NICs on lossless fabrics.
   int64_t rdma_send_window_bytes = -1;
   static constexpr int64_t kMaxSendWindowBytes = 1ll << 30;
+  static constexpr int64_t kSoftRoceSendWindowBytes = 64 * 1024;
   bool auto_connect = false;
   int handshake_timeout_ms = 5000;  // an accepted peer must finish its handshake within this
   // transfer_async(): a request not complete this long after it was submitted ends (0: no deadline

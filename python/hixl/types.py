@@ -212,9 +212,9 @@ OPTION_HIXL_HEARTBEAT_MISSES = "HixlHeartbeatMisses"    # silent intervals befor
 OPTION_HIXL_METRICS_PORT = "HixlMetricsPort"            # serve /metrics on this port (0: a free one; hixl.metrics)
 OPTION_HIXL_RDMA_TIMEOUT = "HixlRdmaTimeout"            # QP ACK timeout 4.096 us * 2^n, 1..31 (default 14)
 OPTION_HIXL_RDMA_RETRY_COUNT = "HixlRdmaRetryCount"     # QP retransmissions before it fails, 0..7 (default 7)
-OPTION_HIXL_RDMA_QPS_PER_LINK = "HixlRdmaQpsPerLink"    # RC QPs a link stripes its bytes over, 1..16 (default 1; 4 on rxe)
+OPTION_HIXL_RDMA_QPS_PER_LINK = "HixlRdmaQpsPerLink"    # RC QPs a link stripes its bytes over, 1..16 (default 1; 8 on rxe)
 OPTION_HIXL_RDMA_MAX_WR_BYTES = "HixlRdmaMaxWrBytes"    # bytes one work request carries at most, 4096..2^30 (default 4 MiB; 16 KiB on rxe)
-OPTION_HIXL_RDMA_SEND_WINDOW_BYTES = "HixlRdmaSendWindowBytes"  # bytes in flight per QP, 0..2^30 (default 0: none, opt-in)
+OPTION_HIXL_RDMA_SEND_WINDOW_BYTES = "HixlRdmaSendWindowBytes"  # bytes in flight per QP, 0..2^30 (default 0: none; 64 KiB on rxe with > 1 QP)
 
 TRANSPORTS = ("auto", "rdma", "shm", "tcp")
 ENV_TRANSPORT = "HIXL_TRANSPORT"

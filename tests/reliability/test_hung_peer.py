@@ -103,7 +103,7 @@ def test_an_async_request_past_its_deadline_to_a_stopped_peer_ends_failed(transp
             rc, req = b.transfer_async(peer.name, WRITE, descs, timeout_in_millis=300)
             if rc in (NOT_CONNECTED, FAILED) and i > 0:
                 # An earlier request's deadline already aborted the link: posting 64 MiB on a single rxe
-                # device with 4 queue pairs can take longer than 300 ms (README options, Soft-RoCE).
+                # device with several queue pairs can take longer than 300 ms (README options, Soft-RoCE).
                 _until(lambda: not _linked(b, peer.name), 10, "the aborted link to be gone")
                 break
             assert rc == SUCCESS, b.last_error()

@@ -19,7 +19,7 @@ KiB, MiB = 1 << 10, 1 << 20
 def test_async_requests_move_through_the_window_with_nobody_waiting(qps):
     window, wr = 8 * KiB, 4 * KiB
     a = _engine("rdma", HixlRdmaSendWindowBytes=window, HixlRdmaMaxWrBytes=wr, HixlRdmaQpsPerLink=qps)
-    b = _engine("rdma", HixlRdmaQpsPerLink=qps)
+    b = _engine("rdma", HixlRdmaQpsPerLink=qps, HixlRdmaSendWindowBytes=16 * KiB)
     n, size = 8, MiB + 4 * KiB  # 257 work requests on one queue pair; on 4, 4 stripes of 65 (64.25 KiB each)
     src = np.random.default_rng(11).integers(0, 256, n * size, dtype=np.uint8)
     dst = np.zeros(n * size, np.uint8)
@@ -48,16 +48,16 @@ def test_async_requests_move_through_the_window_with_nobody_waiting(qps):
             rc, st = a.transfer_wait(req, 60000)
             assert (rc, st) == (SUCCESS, TransferStatus.COMPLETED), (rc, st, a.last_error())
         np.testing.assert_array_equal(dst, src)
-        # b's end keeps its own (none by default).
+        # b's end keeps its own.
         rb, ib = b.get_link_info(a.local_engine)
-        assert rb == SUCCESS and ib["rdma_send_window_bytes"] == 0, ib
+        assert rb == SUCCESS and ib["rdma_send_window_bytes"] == 16 * KiB, ib
     finally:
         a.finalize()
         b.finalize()
 
 
 def test_a_completion_flag_behind_a_windowed_request_follows_every_byte_of_it():
-    """With the device's other defaults (Soft-RoCE: 4 queue pairs, 16 KiB work requests) and a 64 KiB window,
+    """With the device's other defaults (Soft-RoCE: 8 queue pairs, 16 KiB work requests) and a 64 KiB window,
     an async 4 MiB WRITE with a completion flag: when the peer has the flag, it has every byte."""
     a = _engine("rdma", HixlRdmaSendWindowBytes=64 * KiB)
     b = _engine("rdma")

@@ -39,8 +39,8 @@ def main() -> int:
     engines, bufs, info = {}, [], {}
     for t, port in PORTS.items():
         e = hixl.Hixl()
-        # rdma: up to 4 queue pairs per link, for B's striped sides (a link gets the smaller count of its ends)
-        qps = {"HixlRdmaQpsPerLink": "4"} if t == "rdma" else {}
+        # rdma: up to 8 queue pairs per link, for B's striped sides (a link gets the smaller count of its ends)
+        qps = {"HixlRdmaQpsPerLink": "8"} if t == "rdma" else {}
         if e.initialize("%s:%d" % (ip, port), {"HixlTransport": t, **HEARTBEAT, **qps}) != hixl.SUCCESS:
             print("peer: initialize %s: %s" % (t, e.last_error()), file=sys.stderr)
             return 1

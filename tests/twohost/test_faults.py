@@ -8,10 +8,11 @@ its own rxe0) and on tcp. What the user must see:
   every byte verified (read back and compared), or FAILED/TIMEOUT within its timeout; never a hang,
   never silent corruption; notifies likewise. The effective bandwidth under each fault is recorded
   against the clean link ($TV_ST/faults.json, printed), with the goal >= 0.5x clean at 1 % loss on rdma
-  with the defaults (on Soft-RoCE: 4 queue pairs per link, ACK timeout 14, work requests of 16 KiB), and,
-  for comparison, on further rdma engines of B's with the other three of {1, 4} queue pairs x ACK timeout
-  {12, 14} (14 and one queue pair are the defaults on hardware; with 4 MiB work requests there) and with
-  4 MiB work requests (the old Soft-RoCE default);
+  with the defaults (on Soft-RoCE: 8 queue pairs per link, each with a 64 KiB send window, ACK timeout
+  14, work requests of 16 KiB), and, for comparison, on further rdma engines of B's: one queue pair at ACK
+  timeout 14 and 12 (14 and one queue pair are the defaults on hardware; with 4 MiB work requests there),
+  4 queue pairs without a window (the Soft-RoCE default before), at ACK timeout 12, and with 4 MiB work
+  requests (the one before that);
 * the link down for 0.5 s: in-flight requests end (completed, or failed within their timeout); later
   transfers work, without a connect where the link survived, after one where it did not;
 * the link down past the heartbeat bound: the link is closed on both ends (A: the heartbeat; B: the
@@ -45,18 +46,17 @@ NIC = os.environ.get("TV_NIC", "")
 MYIP = os.environ.get("TV_MYIP", "192.168.88.2")
 TRANSPORTS = ("rdma", "tcp")
 # B's further rdma engines: the other settings of queue pairs per link x ACK timeout (4.096 us * 2^t: 12 is
-# 16 ms, 14 67 ms) x bytes per work request. "rdma" itself runs with the defaults, on rxe 4 queue pairs,
-# ACK timeout 14 and work requests of 16 KiB (A's rdma engine allows 4 queue pairs).
+# 16 ms, 14 67 ms) x bytes per work request x send window. "rdma" itself runs with the defaults, on rxe 8
+# queue pairs with a 64 KiB send window each, ACK timeout 14 and work requests of 16 KiB (A's rdma engine
+# allows 8 queue pairs). The 4 queue pair sides have no window (it is the default only on striped links).
 OTHER_RDMA = {"rdma 1qp t=14": {"HixlRdmaQpsPerLink": "1", "HixlRdmaTimeout": "14",  # hardware's defaults
                                 "HixlRdmaMaxWrBytes": str(4 << 20)},
               "rdma 1qp t=12": {"HixlRdmaQpsPerLink": "1", "HixlRdmaTimeout": "12"},
-              "rdma 4qp t=12": {"HixlRdmaQpsPerLink": "4", "HixlRdmaTimeout": "12"},
-              "rdma 4qp 4MiB": {"HixlRdmaQpsPerLink": "4", "HixlRdmaTimeout": "14",  # the rxe default until now
-                                "HixlRdmaMaxWrBytes": str(4 << 20)},
-              # A send window (opt-in): fewer packets resent per loss, but each queue pair capped at 64 KiB
-              # per round trip, which is long under emulation.
-              "rdma 4qp win64K": {"HixlRdmaQpsPerLink": "4", "HixlRdmaTimeout": "14",
-                                  "HixlRdmaSendWindowBytes": str(64 << 10)}}
+              "rdma 4qp": {"HixlRdmaQpsPerLink": "4", "HixlRdmaTimeout": "14",  # the rxe default before 8
+                           "HixlRdmaSendWindowBytes": "0"},
+              "rdma 4qp t=12": {"HixlRdmaQpsPerLink": "4", "HixlRdmaTimeout": "12", "HixlRdmaSendWindowBytes": "0"},
+              "rdma 4qp 4MiB": {"HixlRdmaQpsPerLink": "4", "HixlRdmaTimeout": "14",  # the rxe default before that
+                                "HixlRdmaMaxWrBytes": str(4 << 20), "HixlRdmaSendWindowBytes": "0"}}
 HEARTBEAT = {"HixlHeartbeatMs": "200", "HixlHeartbeatMisses": "10"}  # as peer.py: a dead link after 2 s
 MIB = 1 << 20
 TIMEOUT_MS = 20000  # each transfer's
@@ -185,7 +185,7 @@ def sides():
     s = {t: Side(t, peer) for t in TRANSPORTS}
     info = s["rdma"].e.get_link_info(s["rdma"].remote)[1]
     assert (info["qps"], info["rdma_timeout"], info["rdma_max_wr_bytes"], info["rdma_send_window_bytes"]) == (
-        4, 14, 16384, 0), info  # rxe's defaults
+        8, 14, 16384, 64 << 10), info  # rxe's defaults
     for name, opts in OTHER_RDMA.items():
         s[name] = Side("rdma", peer, opts, listen=True)
         info = s[name].e.get_link_info(s[name].remote)[1]
@@ -214,14 +214,16 @@ def test_under_each_fault_every_transfer_completes_verified_or_fails_in_time(sid
 @pytest.mark.parametrize("side", list(OTHER_RDMA))
 @pytest.mark.parametrize("fault", ["clean", "loss 1%"])
 def test_the_other_rdma_settings_under_loss_for_comparison(sides, side, fault):
-    """Why rxe's defaults are 4 queue pairs and 16 KiB work requests, and why its ACK timeout stays 14. A loss
-    rxe cannot recover by a NAK waits out the ACK timeout (16 ms at 12, 67 ms at 14); at 11 and below its QP
-    died now and then (IBV_WC_REM_INV_REQ_ERR), and at 12 now and then on a clean link under load. With a
+    """Why rxe's defaults are 8 queue pairs with a send window and 16 KiB work requests, and why its ACK
+    timeout stays 14. A loss rxe cannot recover by a NAK waits out the ACK timeout (16 ms at 12, 67 ms at
+    14); at 11 and below its QP died now and then (IBV_WC_REM_INV_REQ_ERR), and at 12 now and then on a
+    clean link under load. With a
     link's bytes striped over 4 queue pairs, one waiting out a retransmission leaves the others busy
     (ib_write_bw -q 4 across this link: 2-3x the bandwidth of one queue pair at 1 % loss, ~1.5x clean).
     rxe asks for an ACK at the end of each work request (else every 65th packet) and ignores a second NAK
-    until one came: smaller work requests shorten that stretch ("4qp 4MiB" is the old default). "4qp win64K"
-    bounds the bytes in flight per queue pair (go-back-N resends less per loss) at the cost of clean bandwidth."""
+    until one came: smaller work requests shorten that stretch ("4qp 4MiB" is the default before "4qp").
+    The default's window bounds the bytes in flight per queue pair (go-back-N resends less per loss), and
+    its 8 queue pairs keep as many bytes in flight on the link as "4qp" without one."""
     _under_fault(sides[side], side, fault)
 
 
@@ -409,7 +411,7 @@ def test_z_a_frozen_peer_host_ends_everything_within_its_timeout_and_connect_wor
 
 
 def test_zz_the_peer_host_removed_mid_transfer_ends_everything_within_its_timeout(sides):
-    for name in ("rdma", "rdma 4qp t=12", "rdma 4qp 4MiB", "rdma 4qp win64K"):  # 4 queue pairs per link: the module's doc (B's QEMU)
+    for name in ("rdma", "rdma 4qp", "rdma 4qp t=12", "rdma 4qp 4MiB"):  # several queue pairs per link: the module's doc (B's QEMU)
         sides.pop(name).close()
     reqs = _push(sides, 16)
     t_kill = _host("kill", "killed")  # the host removes guest A now

@@ -291,8 +291,10 @@ class Server:
         if not isinstance(qps, int) or not 1 <= qps <= 16:
             raise ValueError("engine target: qps must be 1..16")
         e = hixl.Hixl()
-        # explicit: rxe's defaults are 4 queue pairs and 16 KiB work requests (perftest: one, one per message)
-        opts = {"HixlTransport": transport, "HixlRdmaQpsPerLink": str(qps), "HixlRdmaMaxWrBytes": str(4 << 20)}
+        # explicit: rxe's defaults are 8 queue pairs with a 64 KiB send window and 16 KiB work requests
+        # (perftest: one, one per message, no window)
+        opts = {"HixlTransport": transport, "HixlRdmaQpsPerLink": str(qps), "HixlRdmaMaxWrBytes": str(4 << 20),
+                "HixlRdmaSendWindowBytes": "0"}
         if self.a.device:
             opts["HixlDevice"] = self.a.device
         if self.a.gid_index is not None:

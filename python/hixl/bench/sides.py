@@ -136,11 +136,13 @@ class EngineSide(Side):
             opts["HixlDevice"] = s.args.device
         if s.args.gid_index is not None:
             opts["HixlGidIndex"] = str(s.args.gid_index)
-        # Always set: on Soft-RoCE the engine's own defaults are 4 queue pairs and 16 KiB work requests (a
-        # lossy link), and perftest runs one queue pair with one work request per message.
+        # Always set: on Soft-RoCE the engine's own defaults are 8 queue pairs with a 64 KiB send window each
+        # and 16 KiB work requests (a lossy link), and perftest runs one queue pair with one work request per
+        # message and no window (with -q N, N of them).
         qps = getattr(s.args, "qps", 1)
         opts["HixlRdmaQpsPerLink"] = str(qps)
         opts["HixlRdmaMaxWrBytes"] = str(4 << 20)
+        opts["HixlRdmaSendWindowBytes"] = "0"
         if self.e.initialize(local_ip, opts) != hixl.SUCCESS:
             raise RuntimeError("Hixl.initialize(%s, %s): %s" % (local_ip, opts, self.e.last_error()))
         self.buf = np.zeros(self.span, np.uint8)
