@@ -75,17 +75,19 @@ struct Options {
   static constexpr uint32_t kSoftRoceMaxSlices = 16;
   uint32_t rdma_max_slices = 0;  // set by initialize(): EndpointOptions::max_slices (the Soft-RoCE default)
   // The most bytes a queue pair has posted and not yet completed (0..1 GiB; 0: none, as many work
-  // requests as its send queue holds; -1: none, but on Soft-RoCE see below). At least one work request flies. What does not fit waits in the
-  // endpoint, in order, and is posted as completions come back (rdma::EndpointOptions::window_bytes), so
-  // a submit never waits for send-queue room and max_slices is not applied. The sending end's own.
+  // requests as its send queue holds; -1: none, but on Soft-RoCE see below). At least one work request
+  // flies. What does not fit waits in the endpoint, in order, and is posted as completions come back
+  // (rdma::EndpointOptions::window_bytes), so a submit never waits for send-queue room and max_slices is
+  // not applied. The sending end's own.
   // rxe retransmits go-back-N (a lost packet makes it send everything of that queue pair after it
   // again, up to 128 packets): a window bounds that. But it caps each queue pair at window / round
   // trip, and that round trip is long under emulation: with 4 queue pairs a 64 KiB window cost 17 %
   // (1 MiB requests) to 34 % (8 MiB) of the clean bandwidth for about the same bytes under loss. With 8
   // queue pairs the link keeps as many bytes in flight as 4 without a window, in smaller runs per
   // queue pair. So on Soft-RoCE a striped link (rdma_qps_per_link > 1 at this end, as by default) has
-  // kSoftRoceSendWindowBytes by default; one queue pair has none (a window would cap the link).
-  // Elsewhere none: hardware NICs on lossless fabrics.
+  // kSoftRoceSendWindowBytes by default; one queue pair has none (a window would cap the link). It
+  // follows this end's setting: a link its peer holds to one queue pair keeps the window. Elsewhere
+  // none: hardware NICs on lossless fabrics.
   int64_t rdma_send_window_bytes = -1;
   static constexpr int64_t kMaxSendWindowBytes = 1ll << 30;
   static constexpr int64_t kSoftRoceSendWindowBytes = 64 * 1024;
