@@ -53,7 +53,8 @@ struct Options {
   // when the ACK timer fires: while one queue pair waits, the others keep the link busy. Across the
   // two-host link (ci/two-vm) 1 % loss kept 0.21x-0.28x of the clean bandwidth with one queue pair
   // and 0.35x-0.51x with 4 (ACK timeout 14 both). With 8, each with the Soft-RoCE send window below,
-  // 0.63x-0.80x (12.8-14.9 MiB/s against 4 queue pairs' 9.9-10.5 in the same runs). The ACK timeout
+  // 0.63x-0.80x in quiet runs (12.6-14.9 MiB/s under loss against 4 queue pairs' 9.9-13.2 in the same
+  // runs; 4-18 % less on the clean link). The ACK timeout
   // stays 14: at 12 (16 ms) the striped links mostly met 0.5x at 1 % loss (0.38x-0.61x), but twice in
   // a day rxe failed a queue pair with "remote invalid request" on a clean link under load (a
   // retransmission it mishandles). Hardware keeps one queue pair: it retransmits by itself on fabrics
