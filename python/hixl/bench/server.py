@@ -130,6 +130,14 @@ def checked_bytes(n: Any) -> int:
     return n
 
 
+def engine_opts(transport: str, qps: int) -> Dict[str, str]:
+    """The bench's engine options, the same on both ends. Set explicitly: on Soft-RoCE the engine's own
+    defaults are 8 queue pairs with a 64 KiB send window each and 16 KiB work requests (a lossy link),
+    and perftest runs one queue pair (with -q N, N of them), one work request per message, no window."""
+    return {"HixlTransport": transport, "HixlRdmaQpsPerLink": str(qps), "HixlRdmaMaxWrBytes": str(4 << 20),
+            "HixlRdmaSendWindowBytes": "0"}
+
+
 class Server:
     """The target side: answers one JSON command per line (see Ctl.call)."""
 
@@ -291,10 +299,7 @@ class Server:
         if not isinstance(qps, int) or not 1 <= qps <= 16:
             raise ValueError("engine target: qps must be 1..16")
         e = hixl.Hixl()
-        # explicit: rxe's defaults are 8 queue pairs with a 64 KiB send window and 16 KiB work requests
-        # (perftest: one, one per message, no window)
-        opts = {"HixlTransport": transport, "HixlRdmaQpsPerLink": str(qps), "HixlRdmaMaxWrBytes": str(4 << 20),
-                "HixlRdmaSendWindowBytes": "0"}
+        opts = engine_opts(transport, qps)
         if self.a.device:
             opts["HixlDevice"] = self.a.device
         if self.a.gid_index is not None:

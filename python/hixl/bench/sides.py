@@ -12,7 +12,7 @@ from typing import Any, Callable, Dict, List, Sequence, Tuple
 import numpy as np
 
 from . import peers
-from .server import Ctl
+from .server import Ctl, engine_opts
 from .options import GOAL_DESCS, MiB, Settings
 
 
@@ -131,18 +131,12 @@ class EngineSide(Side):
         self.hixl, self._core = hixl, _core
         self.ctl, self.span = ctl, s.span
         self.e = hixl.Hixl()
-        opts = {"HixlTransport": transport}
+        qps = getattr(s.args, "qps", 1)
+        opts = engine_opts(transport, qps)  # as the target's (server.py)
         if s.args.device:
             opts["HixlDevice"] = s.args.device
         if s.args.gid_index is not None:
             opts["HixlGidIndex"] = str(s.args.gid_index)
-        # Always set: on Soft-RoCE the engine's own defaults are 8 queue pairs with a 64 KiB send window each
-        # and 16 KiB work requests (a lossy link), and perftest runs one queue pair with one work request per
-        # message and no window (with -q N, N of them).
-        qps = getattr(s.args, "qps", 1)
-        opts["HixlRdmaQpsPerLink"] = str(qps)
-        opts["HixlRdmaMaxWrBytes"] = str(4 << 20)
-        opts["HixlRdmaSendWindowBytes"] = "0"
         if self.e.initialize(local_ip, opts) != hixl.SUCCESS:
             raise RuntimeError("Hixl.initialize(%s, %s): %s" % (local_ip, opts, self.e.last_error()))
         self.buf = np.zeros(self.span, np.uint8)
