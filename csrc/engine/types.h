@@ -54,11 +54,11 @@ struct Options {
   // two-host link (ci/two-vm) 1 % loss kept 0.21x-0.28x of the clean bandwidth with one queue pair
   // and 0.35x-0.51x with 4 (ACK timeout 14 both). With 8, each with the Soft-RoCE send window below,
   // 0.63x-0.80x in quiet runs (12.6-14.9 MiB/s under loss against 4 queue pairs' 9.9-13.2 in the same
-  // runs; 4-18 % less on the clean link). The ACK timeout
-  // stays 14: at 12 (16 ms) the striped links mostly met 0.5x at 1 % loss (0.38x-0.61x), but twice in
-  // a day rxe failed a queue pair with "remote invalid request" on a clean link under load (a
-  // retransmission it mishandles). Hardware keeps one queue pair: it retransmits by itself on fabrics
-  // built not to drop, and 8x the queue pairs cost NIC cache per peer.
+  // runs; 4-18 % less on the clean link). The ACK timeout stays 14: at 12 (16 ms) the striped links
+  // mostly met 0.5x at 1 % loss (0.38x-0.61x), but twice in a day rxe failed a queue pair with "remote
+  // invalid request" on a clean link under load (a retransmission it mishandles). Hardware keeps one
+  // queue pair: it retransmits by itself on fabrics built not to drop, and 8x the queue pairs cost NIC
+  // cache per peer.
   static constexpr int kSoftRoceQpsPerLink = 8;
   // The largest message one RDMA work request carries (4096..1 GiB; -1: EndpointOptions::slice_bytes,
   // 4 MiB, or on Soft-RoCE kSoftRoceMaxWrBytes); a longer descriptor is sliced into several work requests. The sending end's own.
