@@ -278,7 +278,31 @@ def test_desc_sweep_three_ways_and_nixl_prepped(tmp_path):
     assert all(0 < r["submit_med_us"] <= r["total_med_us"] for r in doc["rows"])
     assert {s["transport"] for s in doc["single"]} == {"shm", "tcp"}
     assert all(s["cpp_Mreq_s"] > 0 and s["python_Mreq_s"] > 0 for s in doc["single"])
+    for s in doc["single"]:  # the ceiling is the C++ loop's time plus the no-op bindings' loop's
+        assert s["binding_Mreq_s"] > 0 and s["floor_Mreq_s"] > 0
+        assert s["ceiling/cpp"] == pytest.approx(s["floor_Mreq_s"] / (s["floor_Mreq_s"] + s["cpp_Mreq_s"]))
+    assert "no-op bindings" in cp.stdout and "ceiling" in cp.stdout
     assert any("5 M desc/s" in g["goal"] for g in doc["goals"])
     for header in ("count[#desc]", "submit_med[us]", "submit_p99[us]", "total_med[us]", "submit_rate[Mdesc/s]"):
         assert header in cp.stdout
     assert (tmp_path / "hixl_descs.txt").read_text().startswith("hixl bench --desc-sweep")
+
+
+@pytest.mark.parametrize("iters,window", [(1, 128), (5, 128), (400, 16), (1000, 128)])
+def test_engine_stream_counts_every_request_and_orders_its_percentiles(iters, window):
+    """The C++ stream behind the engine rows (shm): every request submitted and reaped through its
+    ring of `window` slots (fewer when the stream is shorter), its bytes counted, and the latency
+    summary (two selections, not a sort) gives 0 < p50 <= p99."""
+    from hixl import _core
+    from hixl.bench.descsweep import _Pair
+    p = _Pair("shm", 1 << 16)
+    try:
+        p.ini.transfer_sync(p.peer, p.h.WRITE, [p.h.TransferOpDesc(p.ia, p.ta, 8)])  # nothing left over
+        p.ibuf[:] = 7
+        r = _core.perf_engine_stream(p.ini._engine, p.peer, 1, -1, p.ia, p.ta, 1 << 16, 64, 1, iters, window, 60000)
+        assert r["requests"] == iters and r["bytes"] == 64 * iters
+        assert 0 < r["req_p50_ns"] <= r["req_p99_ns"]
+        touched = min(iters * 64, 1 << 16)
+        assert (p.tbuf[:touched] == 7).all()  # each slot's bytes landed: every request ran
+    finally:
+        p.close()
