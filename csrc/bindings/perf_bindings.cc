@@ -87,6 +87,21 @@ void hixl_bind_perf(py::module_& m) {
         py::arg("engine"), py::arg("remote"), py::arg("op"), py::arg("flag"), py::arg("local_addr"),
         py::arg("remote_addr"), py::arg("span"), py::arg("size"), py::arg("descs_per_req") = 1,
         py::arg("iters") = 1000, py::arg("window") = 16, py::arg("timeout_ms") = 60000);
+  // The floor of a Python loop over the engine (hixl bench --desc-sweep): bindings with the argument
+  // and result types of Engine.transfer_async_one and Engine.transfer_wait, that release the GIL as
+  // those do, and do nothing else. A loop over them costs what the interpreter and pybind11 add to each
+  // request; the C++ loop's time plus that is the best a Python loop over these bindings can reach.
+  m.def(
+      "perf_call_floor_async",
+      [](const std::string& remote, int op, uint64_t local_addr, uint64_t remote_addr, uint64_t len,
+         uint64_t user_data) {
+        return std::make_pair(0, uint64_t(remote.size()) + uint64_t(op) + local_addr + remote_addr + len + user_data);
+      },
+      py::arg("remote"), py::arg("op"), py::arg("local_addr"), py::arg("remote_addr"), py::arg("len"),
+      py::arg("user_data") = 0, py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "perf_call_floor_wait", [](uint64_t req, int timeout_ms) { return std::make_pair(0, int(req == 0 || timeout_ms < 0)); },
+      py::arg("req"), py::arg("timeout_ms"), py::call_guard<py::gil_scoped_release>());
   m.def("perf_engine_latency",
         [](engine::Engine& e, const std::string& remote, int op, int64_t flag, uint64_t local_addr,
            uint64_t remote_addr, uint64_t size, uint32_t descs_per_req, uint32_t iters, uint32_t timeout_ms) {

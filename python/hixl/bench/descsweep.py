@@ -16,7 +16,10 @@ Per call: ``submit`` = the ``transfer_async`` call alone (validation, resolution
 the CPU cost excluding the copy), ``total`` = until the transfer completed. Reported: medians and
 p99 in us, descriptors per second (10^6) through submit and in total. A single-descriptor section
 compares a Python loop (``transfer_async`` + ``transfer_wait``, window 128, 8 B) with the C++ engine
-loop in the same process. Goals (printed, and in the JSON; never an exit code): prepped submit
+loop in the same process, and two more loops of the same shape: over the pybind11 methods under
+``hixl.Hixl`` (no Python layer), and over bindings of the same signatures that do nothing (the
+interpreter's and pybind11's cost per request: with the C++ loop's, the ceiling of any Python loop
+over these bindings). Goals (printed, and in the JSON; never an exit code): prepped submit
 >= 5 M descriptors/s for 64 B descriptors; a 100,000-descriptor prepped transfer's submit <= 20 ms;
 the Python single-request loop >= 0.8x the C++ loop.
 """
@@ -154,10 +157,16 @@ def single_request(transport: str, iters: int = 20000, window: int = 128) -> Dic
             cpp.append(r["requests"] / (r["elapsed_ns"] / 1e9) / 1e6)
         descs = [[h.TransferOpDesc(p.ia + 8 * k, p.ta + 8 * k, 8)] for k in range(64)]
         e, peer, WRITE = p.ini, p.peer, h.WRITE
-        py = []
-        for _ in range(3):
+        eng = e._engine
+        ia, ta = p.ia, p.ta
+
+        slots = [(ia + 8 * k, ta + 8 * k) for k in range(64)]
+        completed = int(h.TransferStatus.COMPLETED)
+        floor_async, floor_wait = _core.perf_call_floor_async, _core.perf_call_floor_wait
+
+        # Three loops of one shape, each written out (a Python function per call would add its own cost).
+        def hixl_api() -> None:  # CANN's API: hixl.Hixl, a one-descriptor list per call
             inflight: List[int] = []
-            t0 = time.perf_counter_ns()
             for i in range(iters):
                 if len(inflight) >= window:
                     if e.transfer_wait(inflight.pop(0), 60000)[1] != h.TransferStatus.COMPLETED:
@@ -168,12 +177,51 @@ def single_request(transport: str, iters: int = 20000, window: int = 128) -> Dic
                 inflight.append(req)
             for req in inflight:
                 e.transfer_wait(req, 60000)
-            py.append(iters / ((time.perf_counter_ns() - t0) / 1e9) / 1e6)
+
+        def binding() -> None:  # the pybind11 methods under it, no Python layer
+            inflight: List[int] = []
+            for i in range(iters):
+                if len(inflight) >= window:
+                    if eng.transfer_wait(inflight.pop(0), 60000)[1] != completed:
+                        raise RuntimeError("transfer_wait: " + eng.last_error())
+                la, ra = slots[i & 63]
+                rc, req = eng.transfer_async_one(peer, 1, la, ra, 8)
+                if rc != 0:
+                    raise RuntimeError("transfer_async_one: " + eng.last_error())
+                inflight.append(req)
+            for req in inflight:
+                eng.transfer_wait(req, 60000)
+
+        def floor() -> None:  # bindings of the same signatures that do nothing (GIL released, as those)
+            inflight: List[int] = []
+            for i in range(iters):
+                if len(inflight) >= window:
+                    if floor_wait(inflight.pop(0), 60000)[1] != 0:
+                        raise RuntimeError("floor")
+                la, ra = slots[i & 63]
+                rc, req = floor_async(peer, 1, la, ra, 8)
+                if rc != 0:
+                    raise RuntimeError("floor")
+                inflight.append(req)
+            for req in inflight:
+                floor_wait(req, 60000)
+
+        loops = {"python": hixl_api, "binding": binding, "floor": floor}
+        rates: Dict[str, List[float]] = {k: [] for k in loops}
+        for _ in range(3):
+            for k, run in loops.items():
+                t0 = time.perf_counter_ns()
+                run()
+                rates[k].append(iters / ((time.perf_counter_ns() - t0) / 1e9) / 1e6)
     finally:
         p.close()
-    c, y = statistics.median(cpp), statistics.median(py)
+    c = statistics.median(cpp)
+    y, b, f = (statistics.median(rates[k]) for k in ("python", "binding", "floor"))
+    # A Python loop costs at least the C++ loop's time per request plus the floor's: 1/c + 1/f.
     return {"transport": transport, "cpp_Mreq_s": c, "python_Mreq_s": y, "python/cpp": y / c,
-            "cpp_trials": cpp, "python_trials": py}
+            "binding_Mreq_s": b, "binding/cpp": b / c, "floor_Mreq_s": f, "ceiling/cpp": f / (f + c),
+            "cpp_trials": cpp, "python_trials": rates["python"], "binding_trials": rates["binding"],
+            "floor_trials": rates["floor"]}
 
 
 def _nixl_rows(counts: List[int], sizes: List[int], repeats: int, budget_s: float) -> List[Dict[str, Any]]:
@@ -283,8 +331,14 @@ def main_sweep(transports: List[str], vs_nixl: bool, out: str, name: str, quick:
             _table(rows), "", "single request (8 B, window 128): C++ engine loop vs Python loop [Mreq/s = 10^6 "
             "requests per second]"]
     for s in single:
-        text.append("  %-4s  cpp %.3f Mreq/s  python %.3f Mreq/s  python/cpp %.2fx"
-                    % (s["transport"], s["cpp_Mreq_s"], s["python_Mreq_s"], s["python/cpp"]))
+        text.append("  %-4s  cpp %.3f Mreq/s  python %.3f Mreq/s  python/cpp %.2fx  |  bindings alone %.3f Mreq/s "
+                    "(%.2fx)  no-op bindings %.3f Mreq/s: ceiling %.2fx"
+                    % (s["transport"], s["cpp_Mreq_s"], s["python_Mreq_s"], s["python/cpp"], s["binding_Mreq_s"],
+                       s["binding/cpp"], s["floor_Mreq_s"], s["ceiling/cpp"]))
+    if single:
+        text.append("  (python: hixl.Hixl.transfer_async + transfer_wait; bindings alone: the pybind11 methods under "
+                    "them; no-op bindings: the same loop over bindings of the same signatures that do nothing; "
+                    "ceiling = the C++ loop's time per request plus the no-op loop's, against the C++ loop's)")
     for n in notes:
         text.append("note: " + n)
     text += ["", "goals (issue 17):"]
