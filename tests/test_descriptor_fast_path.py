@@ -270,3 +270,80 @@ def test_the_one_descriptor_fast_path_refuses_what_the_full_path_refuses(pair):
         assert pair.ini.transfer_async(remote, WRITE, descs) == (PARAM_INVALID, 0), (remote, descs)
         assert pair.ini.last_error()
     assert np.array_equal(pair.tbuf[:64], pair.ibuf[:64]) and not pair.tbuf[64:].any()
+
+
+# ------------------------------------------------------------------ TransferOpDesc lists read in C++
+def test_descs_from_list_takes_only_the_plain_valid_form():
+    """hixl._core.descs_from_list reads a list (or tuple) of TransferOpDesc whose fields are Python ints
+    into an (N, 3) uint64 array, with the Python path's checks; every other form gives None (the Python
+    path then decides), never an exception."""
+    from hixl import TransferOpDesc, _core
+    ok = [TransferOpDesc(4096 + 64 * k, 8192 + 64 * k, 64) for k in range(5)]
+    for seq in (ok, tuple(ok)):
+        a = _core.descs_from_list(seq)
+        assert a.dtype == np.uint64 and a.tolist() == [[d.local_addr, d.remote_addr, d.len] for d in ok]
+    assert _core.descs_from_list([TransferOpDesc(2 ** 64 - 8, 2 ** 64 - 8, 8)]).tolist() == [[2 ** 64 - 8] * 2 + [8]]
+
+    class NoLen:
+        local_addr, remote_addr = 1, 2
+    for bad in ([], [TransferOpDesc(0, 1, 1)], [TransferOpDesc(1, 0, 1)], [TransferOpDesc(1, 1, 0)],
+                [TransferOpDesc(2 ** 64 - 8, 1, 9)], [TransferOpDesc(1, 2 ** 64 - 8, 9)],
+                [TransferOpDesc(-1, 1, 1)], [TransferOpDesc(2 ** 64, 1, 1)], [TransferOpDesc(1, 1, 2 ** 70)],
+                [TransferOpDesc(np.uint64(1), 1, 1)], [TransferOpDesc(1, 1, True)], [TransferOpDesc(1.0, 1, 1)],
+                [NoLen()], [None], ok + [object()], "abc", np.zeros((2, 3), np.uint64), {1: 2}):
+        assert _core.descs_from_list(bad) is None, bad
+
+
+def test_descs_from_list_survives_a_property_that_changes_the_list():
+    """An attribute can be a property running Python code: one that empties the list being read (or
+    raises) must not make the reader touch freed memory; the answer is None."""
+    from hixl import _core
+    victims: list = []
+
+    class Evil:
+        remote_addr, len = 4096, 64
+
+        @property
+        def local_addr(self):
+            victims.clear()
+            return 4096
+
+    class Raises:
+        remote_addr, len = 4096, 64
+
+        @property
+        def local_addr(self):
+            raise RuntimeError("boom")
+    victims.extend([Evil()] + [Evil() for _ in range(100)])
+    assert _core.descs_from_list(victims) is None
+    assert _core.descs_from_list([Raises(), Raises()]) is None
+
+
+def test_lists_of_many_descriptors_move_through_the_c_reader_and_the_python_path(pair):
+    """Lists of TransferOpDesc, sync and async: plain ints take the C++ reader, numpy integers the Python
+    path; both move the same blocks, byte for byte, and a bad element refuses the whole call."""
+    from hixl import TransferOpDesc
+    n = 200
+    plain = [TransferOpDesc(pair.ia + BLOCK * k, pair.ta + BLOCK * (n - 1 - k), BLOCK) for k in range(n)]
+    assert pair.ini.transfer_sync(pair.peer, WRITE, plain) == SUCCESS, pair.ini.last_error()
+    for k in (0, 17, n - 1):
+        assert np.array_equal(pair.tbuf[BLOCK * (n - 1 - k):BLOCK * (n - k)], pair.ibuf[BLOCK * k:BLOCK * (k + 1)])
+    pair.tbuf[:] = 0
+    numpy_ints = [TransferOpDesc(np.uint64(d.local_addr), np.int64(d.remote_addr), np.uint32(d.len)) for d in plain]
+    rc, req = pair.ini.transfer_async(pair.peer, WRITE, numpy_ints)
+    assert rc == SUCCESS and pair.wait(req) == TransferStatus.COMPLETED
+    assert np.array_equal(pair.tbuf[:BLOCK * n], pair.ibuf[:BLOCK * n].reshape(n, BLOCK)[::-1].reshape(-1))
+    pair.tbuf[:] = 0
+    rc, req = pair.ini.transfer_async(pair.peer, WRITE, tuple(plain), hixl.TransferArgs(user_data=3))
+    assert rc == SUCCESS and pair.wait(req) == TransferStatus.COMPLETED
+    assert np.array_equal(pair.tbuf[:BLOCK * n], pair.ibuf[:BLOCK * n].reshape(n, BLOCK)[::-1].reshape(-1))
+    pair.tbuf[:] = 0
+    for bad in (plain[:-1] + [TransferOpDesc(pair.ia, pair.ta, 0)],
+                plain[:-1] + [TransferOpDesc(pair.ia, pair.ta + SIZE, BLOCK)]):
+        assert pair.ini.transfer_sync(pair.peer, WRITE, bad) == PARAM_INVALID
+        assert pair.ini.transfer_async(pair.peer, WRITE, bad) == (PARAM_INVALID, 0)
+        assert pair.ini.last_error()
+    assert not pair.tbuf.any()  # nothing of a refused call was posted
+    rc, req = pair.ini.transfer_async(pair.peer, READ, plain)  # READ back what the target holds (zeros)
+    assert rc == SUCCESS and pair.wait(req) == TransferStatus.COMPLETED
+    assert not pair.ibuf[:BLOCK * n].any()

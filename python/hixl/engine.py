@@ -32,7 +32,7 @@ import operator
 import os
 import threading
 import weakref
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -168,9 +168,16 @@ class Hixl(Signals):
             self._good_remotes.add(remote)
         return remote
 
-    def _descs(self, op_descs: Any) -> Optional[List[Tuple[int, int, int]]]:
+    def _descs(self, op_descs: Any) -> Union[np.ndarray, List[Tuple[int, int, int]], None]:
+        """A list or tuple of TransferOpDesc as an (N, 3) uint64 array (fields that are plain ints, read
+        in C++: no Python object per descriptor) or as (la, ra, len) tuples (numpy integers and the
+        like), or None when it is not a valid one."""
         if not isinstance(op_descs, (list, tuple)) or not op_descs:
             return None
+        if len(op_descs) > 1:
+            arr = _core.descs_from_list(op_descs)
+            if arr is not None:
+                return arr
         out = []
         for d in op_descs:
             la, ra, n = (getattr(d, "local_addr", None), getattr(d, "remote_addr", None), getattr(d, "len", None))
@@ -427,8 +434,8 @@ class Hixl(Signals):
             f = self._flag(flag, o)
             if f is None:
                 return self._refuse_transfer("transfer_sync: flag %r must be None or a u32, with op WRITE" % (flag,))
-            if arr is not None:
-                return self._done(self._engine.transfer_sync_array(remote_engine, o, arr, t, f))
+            if isinstance(descs, np.ndarray):
+                return self._done(self._engine.transfer_sync_array(remote_engine, o, descs, t, f))
             return self._done(self._engine.transfer_sync(remote_engine, o, descs, t, f))
         except Exception as e:
             return self._failed("transfer_sync", e)
@@ -460,7 +467,10 @@ class Hixl(Signals):
                         return rc, req
                 descs = self._descs(op_descs) if type(op_descs) is list else None
                 if descs is not None:
-                    rc, req = self._engine.transfer_async(remote_engine, int(op), descs, 0, -1, -1)
+                    if isinstance(descs, np.ndarray):
+                        rc, req = self._engine.transfer_async_array(remote_engine, int(op), descs, 0, -1, -1)
+                    else:
+                        rc, req = self._engine.transfer_async(remote_engine, int(op), descs, 0, -1, -1)
                     self._tls.last_error = "" if rc == SUCCESS else self._engine.last_error()
                     return rc, req
             if self._finalized:
@@ -490,8 +500,8 @@ class Hixl(Signals):
                 if t is None:
                     return self._refuse_transfer("transfer_async: timeout_in_millis %r must be None or in 1..2**31-1"
                                         % (timeout_in_millis,)), 0
-            if arr is not None:
-                rc, req = self._engine.transfer_async_array(remote_engine, o, arr, ud, f, t)
+            if isinstance(descs, np.ndarray):
+                rc, req = self._engine.transfer_async_array(remote_engine, o, descs, ud, f, t)
             else:
                 rc, req = self._engine.transfer_async(remote_engine, o, descs, ud, f, t)
             return self._done(rc), req
