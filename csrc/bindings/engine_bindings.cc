@@ -56,13 +56,17 @@ std::pair<int, std::vector<std::pair<std::string, uint32_t>>> flag_tuples(
 // checks of the Python path. Anything else gives None and leaves no Python error set: the caller then
 // takes the Python path, which accepts numpy integers and refuses the rest with its message.
 py::object descs_from_list(const py::handle& seq) {
-  if (!PyList_Check(seq.ptr()) && !PyTuple_Check(seq.ptr())) return py::none();
+  // Exactly a list or a tuple: a subclass may define its own iteration, which the Python path follows.
+  if (!PyList_CheckExact(seq.ptr()) && !PyTuple_CheckExact(seq.ptr())) return py::none();
   // Interned once and kept for the process's life (a static py::object would be released after the
   // interpreter is gone).
   static PyObject* const kLocal = PyUnicode_InternFromString("local_addr");
   static PyObject* const kRemote = PyUnicode_InternFromString("remote_addr");
   static PyObject* const kLen = PyUnicode_InternFromString("len");
-  if (!kLocal || !kRemote || !kLen) throw py::error_already_set();
+  if (!kLocal || !kRemote || !kLen) {  // out of memory at the first call: the Python path, every time
+    PyErr_Clear();
+    return py::none();
+  }
   const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq.ptr());
   if (n == 0) return py::none();
   U64Array out({py::ssize_t(n), py::ssize_t(3)});
