@@ -29,7 +29,13 @@ const char* code_name(int code) {
 }
 
 ThreadState& thread_state() {
+  // A thread_local with a constructor is reached through its guard and an init wrapper: in a shared
+  // object that was four __tls_get_addr calls per transfer. The pointer has no constructor: one look-up
+  // once the object exists (built at the thread's first call, destroyed at its exit as before).
+  thread_local ThreadState* t_ptr = nullptr;
+  if (__builtin_expect(t_ptr != nullptr, 1)) return *t_ptr;
   thread_local ThreadState t_state;
+  t_ptr = &t_state;
   return t_state;
 }
 
