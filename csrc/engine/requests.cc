@@ -29,7 +29,7 @@ rdma::RequestResult Requests::poll_locked(Request& r) {
   if (r.final_status >= 0) return {TransferStatus(r.final_status), r.final_error};
   // Past its deadline: its link is being aborted (the path may already say FAILED because of that
   // abort). finish_expired() decides between TIMEOUT and FAILED within seconds.
-  if (r.expired) return {TransferStatus::kWaiting, ""};
+  if (r.expired) return rdma::RequestResult(TransferStatus::kWaiting);
   rdma::RequestResult res = r.link->path->status(r.path_req);
   if (res.status == TransferStatus::kFailed) {  // say why, when it is the link that went (heartbeat, peer, abort)
     std::lock_guard<util::Mutex> g(r.link->mu);

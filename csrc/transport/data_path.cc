@@ -105,7 +105,7 @@ Result QueuedPath::status(uint64_t req) {
   std::lock_guard<std::mutex> g(mu_);
   Entry* e = reqs_.find(req);
   if (!e) return {Status::kFailed, "unknown request " + std::to_string(req)};
-  if (!e->done) return {Status::kWaiting, ""};
+  if (!e->done) return Result(Status::kWaiting);
   Result r = std::move(e->result);
   reqs_.erase(req);
   return r;

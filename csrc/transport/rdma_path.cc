@@ -247,7 +247,7 @@ Result RdmaPath::status(uint64_t req) {
     }
     note_locked(*s, k, std::move(r));
   }
-  if (!all) return {Status::kWaiting, ""};
+  if (!all) return Result(Status::kWaiting);
   Result out{s->status, std::move(s->error)};
   reqs_.erase(req);
   return out;
@@ -275,7 +275,7 @@ bool RdmaPath::wait_done(uint64_t req, milliseconds timeout) {
 
 Result RdmaPath::wait(uint64_t req, milliseconds timeout) {
   if (eps_.size() == 1) return eps_[0]->wait(req, timeout);
-  if (!wait_done(req, timeout)) return {Status::kWaiting, ""};
+  if (!wait_done(req, timeout)) return Result(Status::kWaiting);
   return status(req);
 }
 

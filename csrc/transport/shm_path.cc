@@ -207,7 +207,7 @@ Result ShmPath::execute(Op op, const std::vector<Desc>& descs, Clock::time_point
     if (auto err = flush(); !err.empty()) return {Status::kFailed, err};
   // Cross-memory attach itself fails (ESRCH) once the peer is gone; a mapping does not.
   if (used_mapping && !peer_alive()) return {Status::kFailed, "peer process " + std::to_string(pid_) + " (" + peer_ + ") exited"};
-  return {Status::kCompleted, ""};
+  return Result(Status::kCompleted);
 }
 
 }  // namespace hixl::transport

@@ -213,7 +213,7 @@ Result TcpPath::execute(Op op, const std::vector<Desc>& descs, Clock::time_point
     }
     if (closed()) return fail(Status::kFailed, "path closed during the request");
   }
-  return {Status::kCompleted, ""};
+  return Result(Status::kCompleted);
 }
 
 void TcpPath::serve_loop() {
