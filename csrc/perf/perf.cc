@@ -78,7 +78,7 @@ struct Slots {
 
 // Median and p99 (nearest rank) of request latencies (ticks), in place. Two selections, not a sort:
 // a sort's n log n would grow faster than the stream and land in bench/callgrind.py's per-request
-// difference of two stream lengths (~460 instructions per request at 1,000 and 3,000), counted as
+// difference of two stream lengths (~105 instructions per request at 1,000 and 3,000), counted as
 // the request path's although it runs after the clock stopped.
 void summarize(std::vector<uint64_t>& lat, const TickRate& rate, StreamResult& r) {
   if (lat.empty()) return;
@@ -110,7 +110,7 @@ template <class D, class Make, class Submit, class Finish>
 StreamResult windowed_stream(std::vector<D>& d, uint64_t span, uint64_t size, uint32_t iters, uint32_t window,
                              Make make, Submit submit, Finish finish) {
   Slots slots(span, size);
-  // (request, submit tick), oldest at `head`: a ring of `window` slots (a deque cost ~90 instructions a
+  // (request, submit tick), oldest at `head`: a ring of `window` slots (a deque cost ~65 instructions a
   // request, inside the timed loop and in callgrind's count of the request path)
   std::vector<std::pair<uint64_t, uint64_t>> inflight(std::min(window, std::max(iters, 1u)));
   size_t head = 0, live = 0;

@@ -100,6 +100,7 @@ struct RequestResult {
     if (!o.error.empty()) error = std::move(o.error);
   }
   RequestResult& operator=(RequestResult&& o) noexcept {
+    if (this == &o) return *this;
     status = o.status;
     if (!o.error.empty()) error = std::move(o.error);
     else error.clear();
