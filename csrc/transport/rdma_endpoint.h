@@ -93,7 +93,10 @@ struct RequestResult {
 
   RequestResult() = default;
   explicit RequestResult(Status s) : status(s) {}
-  RequestResult(Status s, std::string e) : status(s), error(std::move(e)) {}
+  RequestResult(Status s, const std::string& e) : status(s), error(e) {}
+  RequestResult(Status s, std::string&& e) : status(s) {  // {status, std::move(why)}: moved only if any
+    if (!e.empty()) error = std::move(e);
+  }
   RequestResult(const RequestResult&) = default;
   RequestResult& operator=(const RequestResult&) = default;
   RequestResult(RequestResult&& o) noexcept : status(o.status) {

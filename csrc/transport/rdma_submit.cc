@@ -433,8 +433,7 @@ RequestResult Endpoint::status_locked(uint64_t id) {
   if (!done_locked(id)) return RequestResult(Status::kWaiting);
   Req* r = reqs_.find(id);
   if (!r) return {Status::kFailed, "unknown request " + std::to_string(id)};
-  RequestResult out(r->status);
-  if (!r->error.empty()) out.error = std::move(r->error);
+  RequestResult out{r->status, std::move(r->error)};
   reqs_.erase(id);
   return out;
 }
