@@ -49,11 +49,11 @@ class _Pair:
         import hixl
         self.h = hixl
         self.tgt, self.ini = hixl.Hixl(), hixl.Hixl()
+        from .server import engine_opts
         for e in (self.tgt, self.ini):
-            # One queue pair per rdma link and work requests of up to 4 MiB, as before Soft-RoCE's defaults
-            # became 4 and 16 KiB (the rows stay comparable).
-            if e.initialize("127.0.0.1:0", {"HixlTransport": transport, "HixlRdmaQpsPerLink": "1",
-                                            "HixlRdmaMaxWrBytes": str(4 << 20)}) != hixl.SUCCESS:
+            # The bench's own options (one queue pair per rdma link, 4 MiB work requests, no send window), not
+            # Soft-RoCE's defaults: the rows stay comparable with the main sweep's.
+            if e.initialize("127.0.0.1:0", engine_opts(transport, 1)) != hixl.SUCCESS:
                 raise RuntimeError("initialize (%s): %s" % (transport, e.last_error()))
         self.tbuf, self.ibuf = np.zeros(span, np.uint8), np.ones(span, np.uint8)
         self.ta, self.ia = self.tbuf.ctypes.data, self.ibuf.ctypes.data
