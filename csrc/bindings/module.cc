@@ -23,6 +23,7 @@ using release = py::call_guard<py::gil_scoped_release>;
 
 void hixl_bind_perf(py::module_& m);
 void hixl_bind_engine(py::module_& m);
+void hixl_bind_fast_calls(py::module_& m);
 
 namespace {
 
@@ -289,6 +290,7 @@ PYBIND11_MODULE(_core, m) {
 
   hixl_bind_perf(m);
   hixl_bind_engine(m);
+  hixl_bind_fast_calls(m);
 #ifdef HIXL_HAVE_ACL_BINDINGS
   py::module_ acl = m.def_submodule("acl", "aclrtMalloc-style device memory shim");
   hixl_bind_acl(acl);

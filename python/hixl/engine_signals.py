@@ -23,6 +23,18 @@ def _int(v: Any, lo: int, hi: int) -> Optional[int]:
     return n if n is not None and lo <= n <= hi else None
 
 
+_ENUM_VALUES: Dict[Any, frozenset] = {}
+
+
+def _enum(v: Any, cls: Any) -> Optional[int]:
+    """``v`` as the int value of a member of IntEnum ``cls``, else None."""
+    values = _ENUM_VALUES.get(cls)
+    if values is None:
+        values = _ENUM_VALUES[cls] = frozenset(int(m) for m in cls)
+    n = _int(v, 0, 255)
+    return n if n is not None and n in values else None
+
+
 class Signals:
     """Completion flags, flag failures and metrics of a :class:`hixl.Hixl` (see the module)."""
 
