@@ -16,10 +16,10 @@ Per call: ``submit`` = the ``transfer_async`` call alone (validation, resolution
 the CPU cost excluding the copy), ``total`` = until the transfer completed. Reported: medians and
 p99 in us, descriptors per second (10^6) through submit and in total. A single-descriptor section
 compares a Python loop (``transfer_async`` + ``transfer_wait``, window 128, 8 B) with the C++ engine
-loop in the same process, and two more loops of the same shape: over the pybind11 methods under
-``hixl.Hixl`` (no Python layer), and over bindings of the same signatures that do nothing (the
-interpreter's and pybind11's cost per request: with the C++ loop's, the ceiling of any Python loop
-over these bindings). Goals (printed, and in the JSON; never an exit code): prepped submit
+loop in the same process, and three more loops of the same shape: over the engine's pybind11
+methods (no Python layer), over pybind11 bindings of the same signatures that do nothing, and over
+C calls of ``hixl.Hixl``'s kind (``_core.fast_call``) that do nothing (the interpreter's and the
+calls' cost per request: with the C++ loop's, the ceiling of a Python loop over such calls). Goals (printed, and in the JSON; never an exit code): prepped submit
 >= 5 M descriptors/s for 64 B descriptors; a 100,000-descriptor prepped transfer's submit <= 20 ms;
 the Python single-request loop >= 0.8x the C++ loop.
 """
@@ -161,52 +161,65 @@ def single_request(transport: str, iters: int = 20000, window: int = 128) -> Dic
         ia, ta = p.ia, p.ta
 
         slots = [(ia + 8 * k, ta + 8 * k) for k in range(64)]
-        completed = int(h.TransferStatus.COMPLETED)
+        completed, COMPLETED, SUCCESS = int(h.TransferStatus.COMPLETED), h.TransferStatus.COMPLETED, h.SUCCESS
         floor_async, floor_wait = _core.perf_call_floor_async, _core.perf_call_floor_wait
+        mask = window - 1  # a ring of the requests in flight (window: a power of two)
 
-        # Three loops of one shape, each written out (a Python function per call would add its own cost).
+        # Three loops of one shape, each written out (a Python function per call would add its own cost),
+        # with what a careful loop keeps in locals: the bound methods, the constants, a ring of requests.
         def hixl_api() -> None:  # CANN's API: hixl.Hixl, a one-descriptor list per call
-            inflight: List[int] = []
+            ta, tw, reqs = e.transfer_async, e.transfer_wait, [0] * window
             for i in range(iters):
-                if len(inflight) >= window:
-                    if e.transfer_wait(inflight.pop(0), 60000)[1] != h.TransferStatus.COMPLETED:
-                        raise RuntimeError("transfer_wait: " + e.last_error())
-                rc, req = e.transfer_async(peer, WRITE, descs[i & 63])
-                if rc != h.SUCCESS:
+                j = i & mask
+                if i >= window and tw(reqs[j], 60000)[1] != COMPLETED:
+                    raise RuntimeError("transfer_wait: " + e.last_error())
+                rc, reqs[j] = ta(peer, WRITE, descs[i & 63])
+                if rc != SUCCESS:
                     raise RuntimeError("transfer_async: " + e.last_error())
-                inflight.append(req)
-            for req in inflight:
-                e.transfer_wait(req, 60000)
+            for j in range(min(iters, window)):
+                tw(reqs[j], 60000)
 
         def binding() -> None:  # the pybind11 methods under it, no Python layer
-            inflight: List[int] = []
+            ta, tw, reqs = eng.transfer_async_one, eng.transfer_wait, [0] * window
             for i in range(iters):
-                if len(inflight) >= window:
-                    if eng.transfer_wait(inflight.pop(0), 60000)[1] != completed:
-                        raise RuntimeError("transfer_wait: " + eng.last_error())
+                j = i & mask
+                if i >= window and tw(reqs[j], 60000)[1] != completed:
+                    raise RuntimeError("transfer_wait: " + eng.last_error())
                 la, ra = slots[i & 63]
-                rc, req = eng.transfer_async_one(peer, 1, la, ra, 8)
+                rc, reqs[j] = ta(peer, 1, la, ra, 8)
                 if rc != 0:
                     raise RuntimeError("transfer_async_one: " + eng.last_error())
-                inflight.append(req)
-            for req in inflight:
-                eng.transfer_wait(req, 60000)
+            for j in range(min(iters, window)):
+                tw(reqs[j], 60000)
 
         def floor() -> None:  # bindings of the same signatures that do nothing (GIL released, as those)
-            inflight: List[int] = []
+            ta, tw, reqs = floor_async, floor_wait, [0] * window
             for i in range(iters):
-                if len(inflight) >= window:
-                    if floor_wait(inflight.pop(0), 60000)[1] != 0:
-                        raise RuntimeError("floor")
+                j = i & mask
+                if i >= window and tw(reqs[j], 60000)[1] != 0:
+                    raise RuntimeError("floor")
                 la, ra = slots[i & 63]
-                rc, req = floor_async(peer, 1, la, ra, 8)
+                rc, reqs[j] = ta(peer, 1, la, ra, 8)
                 if rc != 0:
                     raise RuntimeError("floor")
-                inflight.append(req)
-            for req in inflight:
-                floor_wait(req, 60000)
+            for j in range(min(iters, window)):
+                tw(reqs[j], 60000)
 
-        loops = {"python": hixl_api, "binding": binding, "floor": floor}
+        fast_floor = _core.perf_fast_floor()
+
+        def c_floor() -> None:  # hixl.Hixl's C per-request calls (engine_transfers) doing nothing: their floor
+            ta, tw, reqs = fast_floor, fast_floor, [0] * window
+            for i in range(iters):
+                j = i & mask
+                if i >= window and tw(reqs[j], 60000)[1] != 0:
+                    raise RuntimeError("floor")
+                rc, reqs[j] = ta(peer, WRITE, descs[i & 63])
+                if rc != SUCCESS:
+                    raise RuntimeError("floor")
+            for j in range(min(iters, window)):
+                tw(reqs[j], 60000)
+
+        loops = {"python": hixl_api, "binding": binding, "floor": floor, "c_floor": c_floor}
         rates: Dict[str, List[float]] = {k: [] for k in loops}
         for _ in range(3):
             for k, run in loops.items():
@@ -216,12 +229,13 @@ def single_request(transport: str, iters: int = 20000, window: int = 128) -> Dic
     finally:
         p.close()
     c = statistics.median(cpp)
-    y, b, f = (statistics.median(rates[k]) for k in ("python", "binding", "floor"))
+    y, b, f, cf = (statistics.median(rates[k]) for k in ("python", "binding", "floor", "c_floor"))
     # A Python loop costs at least the C++ loop's time per request plus the floor's: 1/c + 1/f.
     return {"transport": transport, "cpp_Mreq_s": c, "python_Mreq_s": y, "python/cpp": y / c,
             "binding_Mreq_s": b, "binding/cpp": b / c, "floor_Mreq_s": f, "ceiling/cpp": f / (f + c),
+            "c_floor_Mreq_s": cf, "c_ceiling/cpp": cf / (cf + c),
             "cpp_trials": cpp, "python_trials": rates["python"], "binding_trials": rates["binding"],
-            "floor_trials": rates["floor"]}
+            "floor_trials": rates["floor"], "c_floor_trials": rates["c_floor"]}
 
 
 def _nixl_rows(counts: List[int], sizes: List[int], repeats: int, budget_s: float) -> List[Dict[str, Any]]:
@@ -331,14 +345,16 @@ def main_sweep(transports: List[str], vs_nixl: bool, out: str, name: str, quick:
             _table(rows), "", "single request (8 B, window 128): C++ engine loop vs Python loop [Mreq/s = 10^6 "
             "requests per second]"]
     for s in single:
-        text.append("  %-4s  cpp %.3f Mreq/s  python %.3f Mreq/s  python/cpp %.2fx  |  bindings alone %.3f Mreq/s "
-                    "(%.2fx)  no-op bindings %.3f Mreq/s: ceiling %.2fx"
+        text.append("  %-4s  cpp %.3f Mreq/s  python %.3f Mreq/s  python/cpp %.2fx  |  pybind11 methods %.3f Mreq/s "
+                    "(%.2fx)  no-op pybind11 %.3f Mreq/s: ceiling %.2fx  |  no-op C calls %.3f Mreq/s: ceiling %.2fx"
                     % (s["transport"], s["cpp_Mreq_s"], s["python_Mreq_s"], s["python/cpp"], s["binding_Mreq_s"],
-                       s["binding/cpp"], s["floor_Mreq_s"], s["ceiling/cpp"]))
+                       s["binding/cpp"], s["floor_Mreq_s"], s["ceiling/cpp"], s["c_floor_Mreq_s"],
+                       s["c_ceiling/cpp"]))
     if single:
-        text.append("  (python: hixl.Hixl.transfer_async + transfer_wait; bindings alone: the pybind11 methods under "
-                    "them; no-op bindings: the same loop over bindings of the same signatures that do nothing; "
-                    "ceiling = the C++ loop's time per request plus the no-op loop's, against the C++ loop's)")
+        text.append("  (python: hixl.Hixl.transfer_async + transfer_wait, which an initialized engine runs as C calls; "
+                    "pybind11 methods: the engine's bindings, no Python layer; no-op pybind11 / no-op C calls: the "
+                    "same loop over calls of the same signatures that only release the GIL; ceiling = the C++ loop's "
+                    "time per request plus the no-op loop's, against the C++ loop's)")
     for n in notes:
         text.append("note: " + n)
     text += ["", "goals (issue 17):"]
