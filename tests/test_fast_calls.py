@@ -140,7 +140,7 @@ def test_other_forms_go_to_the_python_method(pair):
         assert rc == SUCCESS, (args, kw, ini.last_error())
         assert ini.transfer_wait(req, timeout_in_millis=60000) == (SUCCESS, TransferStatus.COMPLETED)
         assert np.array_equal(pair.tbuf[:256], pair.ibuf[:256])
-    assert pair.tgt.poll_flags() == (SUCCESS, [(ini.local_engine, 5)])  # flag=5 took the Python method
+    assert pair.tgt.wait_flags(10000) == (SUCCESS, [(ini.local_engine, 5)])  # flag=5 took the Python method
     rc, req = ini.transfer_async(peer, WRITE, d)
     assert rc == SUCCESS and ini.transfer_wait(req) == (SUCCESS, TransferStatus.COMPLETED)  # no timeout: Python
 
@@ -180,7 +180,7 @@ def test_last_error_stays_per_thread():
         good = [TransferOpDesc(p.ia, p.ta, 8)]
         assert ini.transfer_wait(2 ** 60, 0)[0] == PARAM_INVALID  # a C call's failure
         mine = ini.last_error()
-        assert "unknown request" in mine
+        assert "unknown request" in mine and ini._marks.threads == 1  # this thread is marked
         seen = {}
 
         def other():
@@ -193,11 +193,12 @@ def test_last_error_stays_per_thread():
         t.start()
         t.join()
         assert seen == {"before": "", "ok": True, "after": ""}
-        assert ini.last_error() == mine
+        assert ini.last_error() == mine and ini._marks.threads == 2  # the other thread's failure marked it
+
         assert ini.transfer_async("bad", WRITE, good)[0] == PARAM_INVALID  # a Python method's refusal
         assert "bad remote_engine" in ini.last_error()
-        rc, req = ini.transfer_async(peer, WRITE, good)  # then a C call's SUCCESS clears it
-        assert rc == SUCCESS and ini.last_error() == ""
+        rc, req = ini.transfer_async(peer, WRITE, good)  # then a C call's SUCCESS clears it, and the mark
+        assert rc == SUCCESS and ini.last_error() == "" and ini._marks.threads == 1
         assert ini.transfer_wait(req, 60000) == (SUCCESS, TransferStatus.COMPLETED) and ini.last_error() == ""
     finally:
         p.close()

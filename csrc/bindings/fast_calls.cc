@@ -10,9 +10,9 @@
 // The engine call itself runs with the GIL released, as every engine call does.
 //
 // last_error: the Python method clears `self._tls.last_error` on SUCCESS. Setting a threading.local
-// costs ~35 ns, a third of what a call costs here, so the object clears it only when this thread's
-// last_error of that engine may be non-empty: Hixl tells note_error() whenever it sets a non-empty
-// one (Hixl._set_error), and the object remembers that per thread.
+// costs ~35 ns, a third of what a call costs here, so the calls clear it only when this thread's
+// last_error of that engine may be non-empty: Hixl._set_error marks the thread in the engine's
+// ErrorMarks (`Hixl._marks`) whenever it sets a non-empty one, and a SUCCESS here clears the mark.
 #include <Python.h>
 #include <structmember.h>
 #include <pybind11/pybind11.h>
@@ -35,10 +35,20 @@ enum Kind : int { kTransferAsync = 0, kTransferWait = 1, kTransferStatus = 2, kF
 constexpr uint64_t kU64Max = UINT64_MAX;
 constexpr long long kInt32Max = 2147483647LL;
 
-// The threading.local objects (one per Hixl) whose last_error may be non-empty on this thread. Only
-// touched with the GIL held. An entry of a dead engine stays until the thread ends (pointers only
-// compared, never followed); its cost is one more comparison while the list is not empty.
-thread_local std::vector<const PyObject*> t_dirty;
+}  // namespace
+
+// The threads whose last_error of one Hixl may be non-empty (their PyThread idents). Only touched with
+// the GIL held. An ident of a thread that ended stays until a thread with the same ident succeeds (one
+// more clear than needed); the marks die with their Hixl.
+struct ErrorMarks {
+  std::vector<unsigned long> threads;
+  void note() {
+    const unsigned long me = PyThread_get_thread_ident();
+    if (std::find(threads.begin(), threads.end(), me) == threads.end()) threads.push_back(me);
+  }
+};
+
+namespace {
 
 struct FastCall {
   PyObject_HEAD
@@ -49,6 +59,8 @@ struct FastCall {
   PyObject* engine_obj;  // keeps *engine alive
   PyObject* good;        // Hixl._good_remotes: remote names already seen to parse
   PyObject* tls;         // Hixl._tls
+  PyObject* marks_obj;   // Hixl._marks (keeps *marks alive)
+  ErrorMarks* marks;
   PyObject* op_type;     // hixl.TransferOp
   PyObject* statuses;    // tuple of hixl.TransferStatus members, by value
   PyObject* slow;        // the class's Python method, for every other call
@@ -63,18 +75,19 @@ void set_error(FastCall* f, const std::string& why) {
   PyObject* s = PyUnicode_DecodeUTF8(why.data(), Py_ssize_t(why.size()), "replace");
   if (s == nullptr || PyObject_SetAttr(f->tls, s_last_error, s) != 0) PyErr_Clear();
   Py_XDECREF(s);
-  if (std::find(t_dirty.begin(), t_dirty.end(), f->tls) == t_dirty.end()) t_dirty.push_back(f->tls);
+  f->marks->note();
 }
 
 void clear_error(FastCall* f) {
-  if (t_dirty.empty()) return;
-  auto it = std::find(t_dirty.begin(), t_dirty.end(), f->tls);
-  if (it == t_dirty.end()) return;
+  auto& t = f->marks->threads;
+  if (t.empty()) return;
+  auto it = std::find(t.begin(), t.end(), PyThread_get_thread_ident());
+  if (it == t.end()) return;
   if (PyObject_SetAttr(f->tls, s_last_error, s_empty) != 0) {
     PyErr_Clear();
-    return;  // still dirty
+    return;  // still marked
   }
-  t_dirty.erase(it);
+  t.erase(it);
 }
 
 PyObject* pair(int rc, PyObject* second) {  // steals second
@@ -224,8 +237,13 @@ PyObject* wait_or_status(FastCall* f, PyObject* const* args, size_t nargsf, PyOb
   std::pair<int, int> r;
   std::string why;
   Py_BEGIN_ALLOW_THREADS
-  r = f->kind == kTransferWait ? f->engine->transfer_wait(req, int(timeout)) : f->engine->transfer_status(req);
-  if (r.first != kSuccess) why = f->engine->last_error();
+  try {
+    r = f->kind == kTransferWait ? f->engine->transfer_wait(req, int(timeout)) : f->engine->transfer_status(req);
+    if (r.first != kSuccess) why = f->engine->last_error();
+  } catch (const std::exception& e) {  // std::bad_alloc of the error's copy
+    r = {kFailed, 3};
+    why = std::string("FAILED: ") + (f->kind == kTransferWait ? "transfer_wait: " : "get_transfer_status: ") + e.what();
+  }
   Py_END_ALLOW_THREADS
   return status_pair(f, r.first, r.second, why);
 }
@@ -253,6 +271,7 @@ void fast_dealloc(PyObject* self) {
   Py_XDECREF(f->engine_obj);
   Py_XDECREF(f->good);
   Py_XDECREF(f->tls);
+  Py_XDECREF(f->marks_obj);
   Py_XDECREF(f->op_type);
   Py_XDECREF(f->statuses);
   Py_XDECREF(f->slow);
@@ -334,13 +353,14 @@ void hixl_bind_fast_calls(py::module_& m) {
 
   m.def(
       "fast_call",
-      [](int kind, py::object engine, py::object good, py::object tls, py::object op_type, py::tuple statuses,
-         py::object slow, py::object self) {
+      [](int kind, py::object engine, py::object good, py::object tls, py::object marks, py::object op_type,
+         py::tuple statuses, py::object slow, py::object self) {
         if (kind < kTransferAsync || kind > kTransferStatus) throw py::value_error("fast_call: kind must be 0, 1 or 2");
         if (!PySet_CheckExact(good.ptr())) throw py::type_error("fast_call: good must be a set");
         if (!PyType_Check(op_type.ptr())) throw py::type_error("fast_call: op_type must be a type");
         if (statuses.size() != 4) throw py::value_error("fast_call: statuses must hold the 4 TransferStatus values");
         Engine* e = engine.cast<Engine*>();
+        ErrorMarks* mk = marks.cast<ErrorMarks*>();
         PyObject* ref = PyWeakref_NewRef(self.ptr(), nullptr);
         if (ref == nullptr) throw py::error_already_set();
         auto* f = PyObject_New(FastCall, g_type);
@@ -355,13 +375,16 @@ void hixl_bind_fast_calls(py::module_& m) {
         f->engine_obj = engine.release().ptr();
         f->good = good.release().ptr();
         f->tls = tls.release().ptr();
+        f->marks = mk;
+        f->marks_obj = marks.release().ptr();
         f->op_type = op_type.release().ptr();
         f->statuses = statuses.release().ptr();
         f->slow = slow.release().ptr();
         f->selfref = ref;
         return py::reinterpret_steal<py::object>(reinterpret_cast<PyObject*>(f));
       },
-      py::arg("kind"), py::arg("engine"), py::arg("good"), py::arg("tls"), py::arg("op_type"), py::arg("statuses"),
+      py::arg("kind"), py::arg("engine"), py::arg("good"), py::arg("tls"), py::arg("marks"), py::arg("op_type"),
+      py::arg("statuses"),
       py::arg("slow"), py::arg("self"),
       "A FastCall for Hixl method `slow` of `self` (kind 0 transfer_async, 1 transfer_wait, 2 get_transfer_status).");
 
@@ -374,16 +397,16 @@ void hixl_bind_fast_calls(py::module_& m) {
         f->kind = kFloor;
         f->closed = 0;
         f->engine = nullptr;
-        f->engine_obj = f->good = f->tls = f->op_type = f->statuses = f->slow = f->selfref = nullptr;
+        f->marks = nullptr;
+        f->engine_obj = f->good = f->tls = f->marks_obj = f->op_type = f->statuses = f->slow = f->selfref = nullptr;
         return py::reinterpret_steal<py::object>(reinterpret_cast<PyObject*>(f));
       },
       "A FastCall that does nothing but release the GIL and return (0, 0): the floor of a Python loop over "
       "the per-request calls of hixl.Hixl (hixl bench --desc-sweep).");
 
-  m.def(
-      "note_error",
-      [](py::handle tls) {
-        if (std::find(t_dirty.begin(), t_dirty.end(), tls.ptr()) == t_dirty.end()) t_dirty.push_back(tls.ptr());
-      },
-      py::arg("tls"), "This thread's last_error of the Hixl owning `tls` is now non-empty (see FastCall).");
+  py::class_<ErrorMarks>(m, "ErrorMarks",
+                         "The threads whose last_error of one hixl.Hixl may be non-empty (see FastCall).")
+      .def(py::init<>())
+      .def("note", &ErrorMarks::note, "This thread's last_error is now non-empty.")
+      .def_property_readonly("threads", [](const ErrorMarks& m) { return m.threads.size(); });
 }

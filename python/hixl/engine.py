@@ -96,16 +96,17 @@ class Hixl(Transfers, Signals):
         self._logged_keys: set = set()
         self._good_remotes: set = set()
         self._tls = threading.local()  # last_error() is per thread, like the C++ engine's
+        self._marks = _core.ErrorMarks()  # the threads whose last_error may be non-empty (_set_error)
         self._pool: Optional[ConnectPool] = None  # connect_async / disconnect_async
         self._metrics_server: Optional[_metrics.Server] = None  # HixlMetricsPort
 
     # ------------------------------------------------------------------ helpers
     def _set_error(self, why: str) -> None:
-        """This thread's :meth:`last_error`; a non-empty one is also told to the C per-request calls
-        (engine_transfers), which clear it on SUCCESS only when told."""
+        """This thread's :meth:`last_error`. A non-empty one marks the thread in ``_marks``: the C
+        per-request calls (engine_transfers) clear it on SUCCESS only where marked."""
         self._tls.last_error = why
         if why:
-            _core.note_error(self._tls)
+            self._marks.note()
 
     def _refuse(self, why: str) -> int:
         self._set_error("PARAM_INVALID: " + why)

@@ -1,8 +1,9 @@
 """The data-moving methods of ``hixl.Hixl``: one-sided READ/WRITE by descriptor list or array,
 prepared descriptor lists, and the requests' status. A mixin of :class:`hixl.Hixl` (its state and
-helpers: ``_engine``, ``_finalized``, ``_tls``, ``_good_remotes``, ``_refuse``, ``_refuse_transfer``,
-``_set_error``, ``_done``, ``_failed``, ``_remote``, ``_timeout``, ``_wait_ms``), kept in its own file
-so that ``engine.py`` stays the engine's lifecycle, memory, links and notifies.
+helpers: ``_engine``, ``_finalized``, ``_tls``, ``_marks``, ``_good_remotes``, ``_refuse``,
+``_refuse_transfer``, ``_set_error``, ``_done``, ``_failed``, ``_remote``, ``_timeout``,
+``_wait_ms``), kept in its own file so that ``engine.py`` stays the engine's lifecycle, memory,
+links and notifies.
 
 The per-request calls of a Python loop (``transfer_async`` with one descriptor, ``transfer_wait``,
 ``get_transfer_status``) also exist in C (``_core.fast_call``, csrc/bindings/fast_calls.cc): an
@@ -45,6 +46,7 @@ class Transfers:
     _finalized: bool
     _tls: Any
     _good_remotes: set
+    _marks: Any
 
     def _install_fast_calls(self) -> None:
         """Put the C versions of the per-request calls in this engine's instance dict (after a
@@ -53,8 +55,8 @@ class Transfers:
         for name, kind in _FAST_CALLS:
             method = getattr(type(self), name)
             if method is getattr(Transfers, name):
-                d[name] = _core.fast_call(kind, self._engine, self._good_remotes, self._tls, TransferOp, _STATUSES,
-                                          method, self)
+                d[name] = _core.fast_call(kind, self._engine, self._good_remotes, self._tls, self._marks, TransferOp,
+                                          _STATUSES, method, self)
 
     def _drop_fast_calls(self) -> None:
         """Back to the Python methods (finalize, fork); a C call someone still holds hands every later
