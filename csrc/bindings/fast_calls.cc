@@ -120,11 +120,17 @@ PyObject* slow_call(FastCall* f, PyObject* const* args, size_t nargsf, PyObject*
   }
   const Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
   const Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
-  std::vector<PyObject*> stack(size_t(nargs + nkw + 1));
+  PyObject* small[8];  // every signature here has at most 7 arguments; more is the method's TypeError
+  std::vector<PyObject*> big;
+  PyObject** stack = small;
+  if (nargs + nkw + 1 > 8) {
+    big.resize(size_t(nargs + nkw + 1));
+    stack = big.data();
+  }
   stack[0] = self;
-  std::copy(args, args + nargs + nkw, stack.begin() + 1);
+  std::copy(args, args + nargs + nkw, stack + 1);
   Py_INCREF(self);
-  PyObject* r = PyObject_Vectorcall(f->slow, stack.data(), size_t(nargs + 1), kwnames);
+  PyObject* r = PyObject_Vectorcall(f->slow, stack, size_t(nargs + 1), kwnames);
   Py_DECREF(self);
   return r;
 }
