@@ -52,6 +52,17 @@ def test_an_initialized_engine_answers_in_c_until_finalize():
     h.finalize()
 
 
+def test_finalize_leaves_what_a_user_put_in_the_instance_alone():
+    h = hixl.Hixl()
+    assert h.initialize("127.0.0.1", {"HixlTransport": "tcp"}) == SUCCESS
+    mine = object()
+    h.transfer_wait = mine
+    h.finalize()
+    assert vars(h)["transfer_wait"] is mine and "transfer_async" not in vars(h)
+    assert h._engine.transfer_status(1)[0] == FAILED  # finalized all the way: the C++ engine too
+    assert "not initialized" in h._engine.last_error()
+
+
 def test_a_subclass_that_overrides_a_call_keeps_its_own():
     class Counting(hixl.Hixl):
         waits = 0

@@ -63,9 +63,8 @@ class Transfers:
         call to the Python method too."""
         d = self.__dict__
         for name, _ in _FAST_CALLS:
-            f = d.pop(name, None)
-            if f is not None:
-                f.close()
+            if type(d.get(name)) is _core.FastCall:  # (not what a user put there)
+                d.pop(name).close()
 
     def _flag(self, v: Any, op: int) -> Optional[int]:
         """None -> -1 (no flag); a u32 with a WRITE -> itself; anything else None."""
