@@ -339,6 +339,20 @@ PyType_Slot fast_slots[] = {
 PyType_Spec fast_spec = {"hixl._core.FastCall", sizeof(FastCall), 0,
                          Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL, fast_slots};
 
+// A FastCall of `kind` with every reference null (dealloc drops only those set), or nullptr with a
+// Python error.
+FastCall* new_fast_call(int kind) {
+  auto* f = PyObject_New(FastCall, g_type);
+  if (f == nullptr) return nullptr;
+  f->vectorcall = fast_vectorcall;
+  f->kind = kind;
+  f->closed = 0;
+  f->engine = nullptr;
+  f->marks = nullptr;
+  f->engine_obj = f->good = f->tls = f->marks_obj = f->op_type = f->statuses = f->slow = f->selfref = nullptr;
+  return f;
+}
+
 PyObject* intern(const char* s) {
   PyObject* o = PyUnicode_InternFromString(s);
   if (o == nullptr) throw py::error_already_set();
@@ -369,14 +383,11 @@ void hixl_bind_fast_calls(py::module_& m) {
         ErrorMarks* mk = marks.cast<ErrorMarks*>();
         PyObject* ref = PyWeakref_NewRef(self.ptr(), nullptr);
         if (ref == nullptr) throw py::error_already_set();
-        auto* f = PyObject_New(FastCall, g_type);
+        FastCall* f = new_fast_call(kind);
         if (f == nullptr) {
           Py_DECREF(ref);
           throw py::error_already_set();
         }
-        f->vectorcall = fast_vectorcall;
-        f->kind = kind;
-        f->closed = 0;
         f->engine = e;
         f->engine_obj = engine.release().ptr();
         f->good = good.release().ptr();
@@ -390,21 +401,14 @@ void hixl_bind_fast_calls(py::module_& m) {
         return py::reinterpret_steal<py::object>(reinterpret_cast<PyObject*>(f));
       },
       py::arg("kind"), py::arg("engine"), py::arg("good"), py::arg("tls"), py::arg("marks"), py::arg("op_type"),
-      py::arg("statuses"),
-      py::arg("slow"), py::arg("self"),
+      py::arg("statuses"), py::arg("slow"), py::arg("self"),
       "A FastCall for Hixl method `slow` of `self` (kind 0 transfer_async, 1 transfer_wait, 2 get_transfer_status).");
 
   m.def(
       "perf_fast_floor",
       [] {
-        auto* f = PyObject_New(FastCall, g_type);
+        FastCall* f = new_fast_call(kFloor);
         if (f == nullptr) throw py::error_already_set();
-        f->vectorcall = fast_vectorcall;
-        f->kind = kFloor;
-        f->closed = 0;
-        f->engine = nullptr;
-        f->marks = nullptr;
-        f->engine_obj = f->good = f->tls = f->marks_obj = f->op_type = f->statuses = f->slow = f->selfref = nullptr;
         return py::reinterpret_steal<py::object>(reinterpret_cast<PyObject*>(f));
       },
       "A FastCall that does nothing but release the GIL and return (0, 0): the floor of a Python loop over "
