@@ -283,6 +283,9 @@ def test_desc_sweep_three_ways_and_nixl_prepped(tmp_path):
         assert s["ceiling/cpp"] == pytest.approx(s["floor_Mreq_s"] / (s["floor_Mreq_s"] + s["cpp_Mreq_s"]))
         assert s["c_floor_Mreq_s"] > 0
         assert s["c_ceiling/cpp"] == pytest.approx(s["c_floor_Mreq_s"] / (s["c_floor_Mreq_s"] + s["cpp_Mreq_s"]))
+        assert s["c_floor_gil_Mreq_s"] > 0
+        assert s["c_ceiling_gil/cpp"] == pytest.approx(
+            s["c_floor_gil_Mreq_s"] / (s["c_floor_gil_Mreq_s"] + s["cpp_Mreq_s"]))
     assert "no-op pybind11" in cp.stdout and "no-op C calls" in cp.stdout and "ceiling" in cp.stdout
     assert any("5 M desc/s" in g["goal"] for g in doc["goals"])
     for header in ("count[#desc]", "submit_med[us]", "submit_p99[us]", "total_med[us]", "submit_rate[Mdesc/s]"):

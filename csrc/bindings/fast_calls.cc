@@ -31,7 +31,7 @@ using hixl::engine::kSuccess;
 
 namespace {
 
-enum Kind : int { kTransferAsync = 0, kTransferWait = 1, kTransferStatus = 2, kFloor = 3 };
+enum Kind : int { kTransferAsync = 0, kTransferWait = 1, kTransferStatus = 2, kFloor = 3, kFloorHoldingGil = 4 };
 constexpr uint64_t kU64Max = UINT64_MAX;
 constexpr long long kInt32Max = 2147483647LL;
 
@@ -255,9 +255,12 @@ PyObject* wait_or_status(FastCall* f, PyObject* const* args, size_t nargsf, PyOb
 }
 
 // What any call of this kind costs at least: the call, the GIL released and taken back, a (0, 0) tuple.
-PyObject* floor_call(PyObject* const*, size_t, PyObject*) {
-  Py_BEGIN_ALLOW_THREADS
-  Py_END_ALLOW_THREADS
+// kFloorHoldingGil: the same without releasing the GIL, to tell what the two GIL handovers cost.
+PyObject* floor_call(bool release_gil) {
+  if (release_gil) {
+    Py_BEGIN_ALLOW_THREADS
+    Py_END_ALLOW_THREADS
+  }
   PyObject* zero = PyLong_FromLong(0);
   return pair(0, zero);
 }
@@ -266,7 +269,8 @@ PyObject* fast_vectorcall(PyObject* self, PyObject* const* args, size_t nargsf, 
   auto* f = reinterpret_cast<FastCall*>(self);
   switch (f->kind) {
     case kTransferAsync: return transfer_async(f, args, nargsf, kwnames);
-    case kFloor: return floor_call(args, nargsf, kwnames);
+    case kFloor: return floor_call(true);
+    case kFloorHoldingGil: return floor_call(false);
     default: return wait_or_status(f, args, nargsf, kwnames);
   }
 }
@@ -406,13 +410,14 @@ void hixl_bind_fast_calls(py::module_& m) {
 
   m.def(
       "perf_fast_floor",
-      [] {
-        FastCall* f = new_fast_call(kFloor);
+      [](bool release_gil) {
+        FastCall* f = new_fast_call(release_gil ? kFloor : kFloorHoldingGil);
         if (f == nullptr) throw py::error_already_set();
         return py::reinterpret_steal<py::object>(reinterpret_cast<PyObject*>(f));
       },
-      "A FastCall that does nothing but release the GIL and return (0, 0): the floor of a Python loop over "
-      "the per-request calls of hixl.Hixl (hixl bench --desc-sweep).");
+      py::arg("release_gil") = true,
+      "A FastCall that does nothing but release the GIL (unless release_gil is False) and return (0, 0): the "
+      "floor of a Python loop over the per-request calls of hixl.Hixl (hixl bench --desc-sweep).");
 
   py::class_<ErrorMarks>(m, "ErrorMarks",
                          "The threads whose last_error of one hixl.Hixl may be non-empty (see FastCall).")

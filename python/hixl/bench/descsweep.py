@@ -219,7 +219,22 @@ def single_request(transport: str, iters: int = 20000, window: int = 128) -> Dic
             for j in range(min(iters, window)):
                 tw(reqs[j], 60000)
 
-        loops = {"python": hixl_api, "binding": binding, "floor": floor, "c_floor": c_floor}
+        held_floor = _core.perf_fast_floor(release_gil=False)
+
+        def c_floor_gil() -> None:  # the same, the GIL kept: what the GIL's two handovers per request cost
+            ta, tw, reqs = held_floor, held_floor, [0] * window
+            for i in range(iters):
+                j = i & mask
+                if i >= window and tw(reqs[j], 60000)[1] != 0:
+                    raise RuntimeError("floor")
+                rc, reqs[j] = ta(peer, WRITE, descs[i & 63])
+                if rc != SUCCESS:
+                    raise RuntimeError("floor")
+            for j in range(min(iters, window)):
+                tw(reqs[j], 60000)
+
+        loops = {"python": hixl_api, "binding": binding, "floor": floor, "c_floor": c_floor,
+                 "c_floor_gil": c_floor_gil}
         rates: Dict[str, List[float]] = {k: [] for k in loops}
         for _ in range(3):
             for k, run in loops.items():
@@ -229,13 +244,15 @@ def single_request(transport: str, iters: int = 20000, window: int = 128) -> Dic
     finally:
         p.close()
     c = statistics.median(cpp)
-    y, b, f, cf = (statistics.median(rates[k]) for k in ("python", "binding", "floor", "c_floor"))
+    y, b, f, cf, cg = (statistics.median(rates[k]) for k in ("python", "binding", "floor", "c_floor", "c_floor_gil"))
     # A Python loop costs at least the C++ loop's time per request plus the floor's: 1/c + 1/f.
     return {"transport": transport, "cpp_Mreq_s": c, "python_Mreq_s": y, "python/cpp": y / c,
             "binding_Mreq_s": b, "binding/cpp": b / c, "floor_Mreq_s": f, "ceiling/cpp": f / (f + c),
             "c_floor_Mreq_s": cf, "c_ceiling/cpp": cf / (cf + c),
+            "c_floor_gil_Mreq_s": cg, "c_ceiling_gil/cpp": cg / (cg + c),
             "cpp_trials": cpp, "python_trials": rates["python"], "binding_trials": rates["binding"],
-            "floor_trials": rates["floor"], "c_floor_trials": rates["c_floor"]}
+            "floor_trials": rates["floor"], "c_floor_trials": rates["c_floor"],
+            "c_floor_gil_trials": rates["c_floor_gil"]}
 
 
 def _nixl_rows(counts: List[int], sizes: List[int], repeats: int, budget_s: float) -> List[Dict[str, Any]]:
@@ -347,14 +364,16 @@ def main_sweep(transports: List[str], vs_nixl: bool, out: str, name: str, quick:
     for s in single:
         text.append("  %-4s  cpp %.3f Mreq/s  python %.3f Mreq/s  python/cpp %.2fx  |  pybind11 methods %.3f Mreq/s "
                     "(%.2fx)  no-op pybind11 %.3f Mreq/s: ceiling %.2fx  |  no-op C calls %.3f Mreq/s: ceiling %.2fx"
+                    "  |  no-op C calls keeping the GIL %.3f Mreq/s: ceiling %.2fx"
                     % (s["transport"], s["cpp_Mreq_s"], s["python_Mreq_s"], s["python/cpp"], s["binding_Mreq_s"],
                        s["binding/cpp"], s["floor_Mreq_s"], s["ceiling/cpp"], s["c_floor_Mreq_s"],
-                       s["c_ceiling/cpp"]))
+                       s["c_ceiling/cpp"], s["c_floor_gil_Mreq_s"], s["c_ceiling_gil/cpp"]))
     if single:
         text.append("  (python: hixl.Hixl.transfer_async + transfer_wait, which an initialized engine runs as C calls; "
                     "pybind11 methods: the engine's bindings, no Python layer; no-op pybind11 / no-op C calls: the "
-                    "same loop over calls of the same signatures that only release the GIL; ceiling = the C++ loop's "
-                    "time per request plus the no-op loop's, against the C++ loop's)")
+                    "same loop over calls of the same signatures that only release the GIL (keeping the GIL: that "
+                    "do nothing at all); ceiling = the C++ loop's time per request plus the no-op loop's, against the "
+                    "C++ loop's)")
     for n in notes:
         text.append("note: " + n)
     text += ["", "goals (issue 17):"]
