@@ -29,7 +29,7 @@ import json
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 
@@ -205,33 +205,25 @@ def single_request(transport: str, iters: int = 20000, window: int = 128) -> Dic
             for j in range(min(iters, window)):
                 tw(reqs[j], 60000)
 
-        fast_floor = _core.perf_fast_floor()
+        def over_c_floor(call: Any) -> Callable[[], None]:
+            # hixl.Hixl's C per-request calls (engine_transfers) doing nothing: their floor. One body for both
+            # floors; the call is bound to locals once per run, so each request costs what a written-out loop does.
+            def run() -> None:
+                ta, tw, reqs = call, call, [0] * window
+                for i in range(iters):
+                    j = i & mask
+                    if i >= window and tw(reqs[j], 60000)[1] != 0:
+                        raise RuntimeError("floor")
+                    rc, reqs[j] = ta(peer, WRITE, descs[i & 63])
+                    if rc != SUCCESS:
+                        raise RuntimeError("floor")
+                for j in range(min(iters, window)):
+                    tw(reqs[j], 60000)
+            return run
 
-        def c_floor() -> None:  # hixl.Hixl's C per-request calls (engine_transfers) doing nothing: their floor
-            ta, tw, reqs = fast_floor, fast_floor, [0] * window
-            for i in range(iters):
-                j = i & mask
-                if i >= window and tw(reqs[j], 60000)[1] != 0:
-                    raise RuntimeError("floor")
-                rc, reqs[j] = ta(peer, WRITE, descs[i & 63])
-                if rc != SUCCESS:
-                    raise RuntimeError("floor")
-            for j in range(min(iters, window)):
-                tw(reqs[j], 60000)
-
-        held_floor = _core.perf_fast_floor(release_gil=False)
-
-        def c_floor_gil() -> None:  # the same, the GIL kept: what the GIL's two handovers per request cost
-            ta, tw, reqs = held_floor, held_floor, [0] * window
-            for i in range(iters):
-                j = i & mask
-                if i >= window and tw(reqs[j], 60000)[1] != 0:
-                    raise RuntimeError("floor")
-                rc, reqs[j] = ta(peer, WRITE, descs[i & 63])
-                if rc != SUCCESS:
-                    raise RuntimeError("floor")
-            for j in range(min(iters, window)):
-                tw(reqs[j], 60000)
+        c_floor = over_c_floor(_core.perf_fast_floor())  # GIL released, as the engine's calls
+        # the GIL kept: what the GIL's two handovers per request cost
+        c_floor_gil = over_c_floor(_core.perf_fast_floor(release_gil=False))
 
         loops = {"python": hixl_api, "binding": binding, "floor": floor, "c_floor": c_floor,
                  "c_floor_gil": c_floor_gil}
