@@ -19,13 +19,14 @@ import logging
 import select
 import threading
 import time
-from typing import TYPE_CHECKING, Dict, Optional, Set, Tuple
+from typing import Dict, Optional, Set, Tuple
 
 from .. import kv
+from ..engine import Hixl
+from .config import ConnectorConfig
+from .links import Links
 from .metadata import HixlConnectorMetadata, LoadSpec
-
-if TYPE_CHECKING:
-    from .worker import HixlWorker
+from .stats import Recorder
 
 _log = logging.getLogger("hixl.vllm")
 
@@ -48,9 +49,16 @@ class _Load:
 
 
 class Consumer:
-    def __init__(self, w: "HixlWorker"):
-        self.w = w
-        self.rx = kv.KVReceiver(w.engine, w.layout, pool=w.pool)
+    """Receives the KV of the requests vLLM loads here into the blocks it allocated for them: ``engine``
+    and ``pool`` (vLLM's KV cache, registered) take the prefill's writes or do the reads, ``links``
+    carry grants and cancels to the prefill (on its jobs thread) and say whether it is still linked,
+    ``stats`` records each load's end; ``interior`` (the KV blocks' interior) goes with each grant."""
+
+    def __init__(self, engine: Hixl, pool: kv.KVPool, layout: kv.KVLayout, config: ConnectorConfig,
+                 stats: Recorder, links: Links, interior: str):
+        self.engine, self.pool, self.layout, self.config = engine, pool, layout, config
+        self.stats, self.links, self.interior = stats, links, interior
+        self.rx = kv.KVReceiver(engine, layout, pool=pool)
         self._lock = threading.Lock()
         self._loads: Dict[str, _Load] = {}
         self._by_tid: Dict[str, _Load] = {}
@@ -60,10 +68,10 @@ class Consumer:
     # -- new loads (forward thread, before the forward pass) -----------------------------------
     def start(self, meta: HixlConnectorMetadata) -> None:
         for tid, peer in meta.cancels.items():
-            self.w.post(peer, "cancel", tid, json.dumps({"decode": self.w.engine.local_engine,
-                                                         "why": "the decoder holds the whole prompt already"}))
+            self.links.post(peer, "cancel", tid, json.dumps({"decode": self.engine.local_engine,
+                                                             "why": "the decoder holds the whole prompt already"}))
         for rid, spec in meta.loads.items():
-            load = _Load(rid, spec, self.w.config.timeout_s)
+            load = _Load(rid, spec, self.config.timeout_s)
             with self._lock:
                 self._loads[rid] = load
                 if spec.transfer_id in self._by_tid:
@@ -80,7 +88,7 @@ class Consumer:
                 with self._lock:
                     self._job_failures[rid] = f"cannot receive into blocks {spec.blocks}: {e}"
                 continue
-            self.w.submit(lambda load=load: self._grant_or_pull(load))
+            self.links.submit(lambda load=load: self._grant_or_pull(load))
 
     def _grant_or_pull(self, load: _Load) -> None:
         """Jobs thread: connect to the prefill, then send the grant (push) or post the read (pull)."""
@@ -91,20 +99,20 @@ class Consumer:
             load.job = "running"
         try:
             if spec.mode == "push":
-                payload = json.dumps({"grant": load.grant.to_dict(), "interior": self.w.interior},
+                payload = json.dumps({"grant": load.grant.to_dict(), "interior": self.interior},
                                      separators=(",", ":"))
-                self.w.send(spec.peer, "grant", spec.transfer_id, payload)
+                self.links.send(spec.peer, "grant", spec.transfer_id, payload)
             else:
                 src = spec.source or {}
                 layout = src.get("remote_layout")
-                if layout != dict(vars(self.w.layout)):
-                    raise kv.KVError(f"the prefill's KV layout {layout} is not ours {dict(vars(self.w.layout))}")
+                if layout != dict(vars(self.layout)):
+                    raise kv.KVError(f"the prefill's KV layout {layout} is not ours {dict(vars(self.layout))}")
                 offer = kv.Grant(request_id=load.rid, decode=spec.peer, ticket=0, blocks=tuple(src["remote_blocks"]),
-                                 n_tokens=spec.n_tokens, layers=(0, self.w.layout.n_layers), pool_addr=0,
+                                 n_tokens=spec.n_tokens, layers=(0, self.layout.n_layers), pool_addr=0,
                                  num_blocks=int(src["remote_memory"]["num_blocks"]), aux_addr=0, aux_bytes=0,
                                  layout=layout, memory=src["remote_memory"])
-                self.w.ensure_link(spec.peer)
-                self.rx.pull(spec.transfer_id, offer, timeout_ms=int(self.w.config.timeout_s * 1000))
+                self.links.ensure_link(spec.peer)
+                self.rx.pull(spec.transfer_id, offer, timeout_ms=int(self.config.timeout_s * 1000))
             with self._lock:
                 load.linked, load.job = True, "done"
         except (ConnectionError, kv.KVError, ValueError, KeyError, TypeError) as e:
@@ -134,12 +142,12 @@ class Consumer:
         # which prefills are gone: checked before taking the flags, so a flag that came before its link
         # closed is not missed
         peers = {load.spec.peer for load in loads if load.linked and load.state != "over"}
-        down = {p for p in peers if not self.w.linked(p)}
+        down = {p for p in peers if not self.links.linked(p)}
         done = self.rx.poll()
-        if not done and idle and self.w.config.idle_wait_ms > 0 and any(load.state != "over" for load in loads):
+        if not done and idle and self.config.idle_wait_ms > 0 and any(load.state != "over" for load in loads):
             # nothing to compute this step: wait for a flag (blocking, GIL released) instead of
             # letting vLLM step again 1 ms from now
-            select.select([self.rx.fileno()], [], [], self.w.config.idle_wait_ms / 1000.0)
+            select.select([self.rx.fileno()], [], [], self.config.idle_wait_ms / 1000.0)
             done = self.rx.poll()
         failed_pulls = self.rx.take_failed()
         ok: Set[str] = set()
@@ -164,7 +172,7 @@ class Consumer:
                 bad[load.rid] = f"the prefill {load.spec.peer} aborted the transfer: {msg}"
             elif load.state == "cancelling":
                 bad[load.rid] = load.why or "cancelled"
-        grace = self.w.config.cancel_grace_s
+        grace = self.config.cancel_grace_s
         for load in loads:
             if load.state == "over" or load.rid in ok or load.rid in bad:
                 continue
@@ -177,11 +185,11 @@ class Consumer:
                     # the read is ours: the engine ends it at its own deadline (timeout_s), the link is
                     # closed only when that did not happen
                     if now > load.deadline + grace:
-                        self._close_link(load, loads, ok, bad, f"read not complete within {self.w.config.timeout_s:g} s")
+                        self._close_link(load, loads, ok, bad, f"read not complete within {self.config.timeout_s:g} s")
                     continue
                 if now > load.deadline or load.ended_by_vllm:
                     load.why = ("aborted while waiting for its KV" if load.ended_by_vllm else
-                                f"KV not complete within {self.w.config.timeout_s:g} s")
+                                f"KV not complete within {self.config.timeout_s:g} s")
                     with self._lock:
                         posted = load.job == "done"
                         if load.job == "pending":
@@ -200,18 +208,18 @@ class Consumer:
         peer = load.spec.peer
         _log.warning("hixl.vllm: the prefill %s did not confirm the end of transfer %s (%s) within %g s: closing "
                      "the link to it (every transfer in flight from it fails)", peer, load.spec.transfer_id, why,
-                     self.w.config.cancel_grace_s)
-        self.w.engine.disconnect(peer, self.w.config.connect_timeout_ms)
+                     self.config.cancel_grace_s)
+        self.links.disconnect(peer)
         for other in loads:
             if other.spec.peer == peer and other.state != "over" and other.rid not in ok:
                 bad[other.rid] = other.why or f"the link to the prefill {peer} was closed ({why})"
 
     def _cancel(self, load: _Load, now: float) -> None:
-        load.state, load.cancel_deadline = "cancelling", now + self.w.config.cancel_grace_s
+        load.state, load.cancel_deadline = "cancelling", now + self.config.cancel_grace_s
         _log.warning("hixl.vllm: request %s (transfer %s from %s): %s; cancelling", load.rid,
                      load.spec.transfer_id, load.spec.peer, load.why)
-        self.w.post(load.spec.peer, "cancel", load.spec.transfer_id,
-                    json.dumps({"decode": self.w.engine.local_engine, "why": load.why}))
+        self.links.post(load.spec.peer, "cancel", load.spec.transfer_id,
+                        json.dumps({"decode": self.engine.local_engine, "why": load.why}))
 
     def _end(self, ok: Set[str], bad: Dict[str, str], now: float) -> Tuple[Set[str], Set[str]]:
         failed: Set[str] = set()
@@ -224,15 +232,15 @@ class Consumer:
             load.state = "over"
             n_blocks = len(load.spec.blocks)
             if rid in ok:
-                tokens = load.spec.n_tokens - load.spec.first_block * self.w.layout.block_tokens
-                self.w.stats.received(tokens, n_blocks * self.w.layout.n_layers * self.w.pool.memory.unit_bytes *
-                                      self.w.pool.memory.parts, now - load.t_start, load.spec.mode)
+                tokens = load.spec.n_tokens - load.spec.first_block * self.layout.block_tokens
+                self.stats.received(tokens, n_blocks * self.layout.n_layers * self.pool.memory.unit_bytes *
+                                    self.pool.memory.parts, now - load.t_start, load.spec.mode)
                 try:
                     self.rx.free(load.spec.transfer_id)
                 except kv.KVError:
                     pass
                 if load.spec.mode == "pull":
-                    self.w.post(load.spec.peer, "release", load.spec.transfer_id, "ok")
+                    self.links.post(load.spec.peer, "release", load.spec.transfer_id, "ok")
                 continue
             why = bad[rid]
             try:
@@ -244,7 +252,7 @@ class Consumer:
                           "blocks are free (%s)", rid, load.spec.transfer_id, load.spec.peer, why)
                 continue
             failed.add(rid)
-            self.w.stats.failed("recv", timeout="within" in why)
+            self.stats.failed("recv", timeout="within" in why)
             _log.warning("hixl.vllm: request %s (transfer %s from %s) failed to load its KV: %s", rid,
                          load.spec.transfer_id, load.spec.peer, why)
         return ok | set(bad), failed

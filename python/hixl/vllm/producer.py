@@ -16,13 +16,14 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 from .. import kv
+from ..engine import Hixl
+from .config import ConnectorConfig
+from .links import Links
 from .metadata import HixlConnectorMetadata, SendStep
-
-if TYPE_CHECKING:
-    from .worker import HixlWorker
+from .stats import Recorder
 
 _log = logging.getLogger("hixl.vllm")
 _MAX_REMEMBERED = 4096  # transfer ids remembered as expired/cancelled (late grants get an abort)
@@ -55,10 +56,15 @@ class _Send:
 
 
 class Producer:
-    def __init__(self, w: "HixlWorker"):
-        self.w = w
-        self.tx = kv.KVSender(w.engine, w.layout, pool=w.pool, max_inflight=w.config.max_inflight,
-                              timeout=w.config.timeout_s)
+    """Pushes the KV of the requests vLLM computes here to the decoders that granted blocks for them:
+    ``engine`` and ``pool`` (vLLM's KV cache, registered) carry the writes, ``links`` the messages to
+    decoders (aborts, cancel confirmations), ``stats`` records each transfer's end; ``interior`` is
+    the KV blocks' interior, which a grant's must match."""
+
+    def __init__(self, engine: Hixl, pool: kv.KVPool, layout: kv.KVLayout, config: ConnectorConfig,
+                 stats: Recorder, links: Links, interior: str):
+        self.layout, self.config, self.stats, self.links, self.interior = layout, config, stats, links, interior
+        self.tx = kv.KVSender(engine, layout, pool=pool, max_inflight=config.max_inflight, timeout=config.timeout_s)
         self._lock = threading.Lock()
         self._sends: Dict[str, _Send] = {}         # by vLLM request id
         self._by_tid: Dict[str, _Send] = {}
@@ -96,7 +102,7 @@ class Producer:
 
     def layer_done(self, layer: int) -> None:
         """vLLM's ``save_kv_layer``: ``layer`` of this step is in the KV cache."""
-        last = layer == self.w.layout.n_layers - 1
+        last = layer == self.layout.n_layers - 1
         for s in self._step:
             if s.dead:
                 continue
@@ -106,7 +112,7 @@ class Producer:
                         continue
                     s.attached = True
                 # the grant came now: what was computed before goes first
-                if not self._attach(s, [(range(self.w.layout.n_layers), range(0, s.done_upto)),
+                if not self._attach(s, [(range(self.layout.n_layers), range(0, s.done_upto)),
                                         (range(0, layer), range(s.step.lo, s.step.hi))], False):
                     continue
             js = range(s.step.lo, s.step.hi)
@@ -129,7 +135,7 @@ class Producer:
             self._step = []
         self.step_active = False
         for s in whole:
-            self._attach(s, [(range(self.w.layout.n_layers), range(0, s.done_upto))], True)
+            self._attach(s, [(range(self.layout.n_layers), range(0, s.done_upto))], True)
 
     # -- pushes --------------------------------------------------------------------------------
     def _attach(self, s: _Send, pushes: list, complete: bool) -> bool:
@@ -137,7 +143,7 @@ class Producer:
         last one flagged when ``complete``). False (and the request dead) on failure."""
         g = s.grant
         try:
-            if not self.w.linked(g.decode):
+            if not self.links.linked(g.decode):
                 raise kv.TransferFailed(f"no link to the decoder {g.decode} (it went away)")
             if not s.added:
                 self.tx.add_request(s.tid, s.blocks, s.n_tokens, partial=True)
@@ -151,7 +157,7 @@ class Producer:
             if not self._push(s, ls, js, complete and i == len(todo) - 1):
                 return False
         if complete and not todo:
-            return self._push(s, [self.w.layout.n_layers - 1], range(0, 0), True)
+            return self._push(s, [self.layout.n_layers - 1], range(0, 0), True)
         return True
 
     def _push(self, s: _Send, layers, js, complete: bool) -> bool:
@@ -173,7 +179,7 @@ class Producer:
     def _fail(self, s: _Send, why: str) -> None:
         _log.warning("hixl.vllm: transfer %s (request %s): %s", s.tid, s.rid, why)
         s.dead = s.dead or why
-        self.w.stats.failed("send")
+        self.stats.failed("send")
 
     # -- messages (inbox thread) -----------------------------------------------------------------
     def on_grant(self, tid: str, d: Dict[str, Any]) -> None:
@@ -184,11 +190,11 @@ class Producer:
             decode = d.get("grant", {}).get("decode") if isinstance(d.get("grant"), dict) else None
             _log.warning("hixl.vllm: malformed grant for %s from %s: %s", tid, decode, e)
             if isinstance(decode, str):
-                self.w.post(decode, "abort", tid, f"malformed grant: {e}")
+                self.links.post(decode, "abort", tid, f"malformed grant: {e}")
             return
-        if interior != self.w.interior:
-            self.w.post(g.decode, "abort", tid, f"the prefill's KV blocks are {self.w.interior}, the decoder's "
-                                                f"{interior}: they cannot be copied as they are")
+        if interior != self.interior:
+            self.links.post(g.decode, "abort", tid, f"the prefill's KV blocks are {self.interior}, the decoder's "
+                                                    f"{interior}: they cannot be copied as they are")
             return
         whole = None
         with self._lock:
@@ -202,7 +208,7 @@ class Producer:
                 self._grants[tid] = (g, time.monotonic())
                 while len(self._grants) > _MAX_REMEMBERED:
                     old_tid, (old, _) = self._grants.popitem(last=False)
-                    self.w.post(old.decode, "abort", old_tid, "too many grants for requests the prefill never saw")
+                    self.links.post(old.decode, "abort", old_tid, "too many grants for requests the prefill never saw")
             elif s.grant is not None:
                 _log.warning("hixl.vllm: a second grant for %s from %s: ignored", tid, g.decode)
             else:
@@ -210,10 +216,10 @@ class Producer:
                 if s.phase == "computed" and not s.attached:
                     s.attached, s.busy, whole = True, True, s
         if why is not None:
-            self.w.post(g.decode, "abort", tid, why)
+            self.links.post(g.decode, "abort", tid, why)
         elif whole is not None:
             try:
-                self._attach(whole, [(range(self.w.layout.n_layers), range(0, whole.done_upto))], True)
+                self._attach(whole, [(range(self.layout.n_layers), range(0, whole.done_upto))], True)
             finally:
                 with self._lock:
                     whole.busy = False
@@ -238,7 +244,7 @@ class Producer:
                 s.cancel = decode
         _log.info("hixl.vllm: transfer %s cancelled by the decoder: %s", tid, why)
         if s is None:
-            self.w.post(decode, "cancelled", tid)
+            self.links.post(decode, "cancelled", tid)
 
     def on_release(self, tid: str, msg: str) -> None:
         with self._lock:
@@ -271,16 +277,16 @@ class Producer:
                     s.lock.release()
             while self._grants:
                 tid, (g, t) = next(iter(self._grants.items()))
-                if now - t <= self.w.config.lease_s:
+                if now - t <= self.config.lease_s:
                     break
                 self._grants.popitem(last=False)
                 self._remember(tid, "expired")
                 stale.append((g.decode, tid))
         for peer, tid in confirm:
-            self.w.post(peer, "cancelled", tid)
+            self.links.post(peer, "cancelled", tid)
         for peer, tid in stale:
-            self.w.post(peer, "abort", tid, f"the prefill saw no request with this transfer id within the lease "
-                                            f"({self.w.config.lease_s:g} s)")
+            self.links.post(peer, "abort", tid, f"the prefill saw no request with this transfer id within the lease "
+                                                f"({self.config.lease_s:g} s)")
 
     # -- the end of a request (forward thread, get_finished) --------------------------------------
     def finished(self, finished_req_ids: set) -> set:
@@ -329,8 +335,8 @@ class Producer:
             return None if st["flagged"] else False
         if s.released:
             return None
-        if now - s.t_finished > self.w.config.lease_s:
-            return f"expired: no grant (push) or read (pull) from a decoder within the lease ({self.w.config.lease_s:g} s)"
+        if now - s.t_finished > self.config.lease_s:
+            return f"expired: no grant (push) or read (pull) from a decoder within the lease ({self.config.lease_s:g} s)"
         return False
 
     def _end(self, s: _Send, why: Optional[str], now: float) -> None:
@@ -339,14 +345,14 @@ class Producer:
             busy = kv.union_seconds(st["intervals"])
             hidden = kv.union_seconds([(a, min(b, s.t_computed)) for a, b in st["intervals"] if a < s.t_computed]) \
                 if s.t_computed else 0.0
-            self.w.stats.sent(st["bytes"], st["descriptors"], st["transfers"], busy, busy - hidden,
+            self.stats.sent(st["bytes"], st["descriptors"], st["transfers"], busy, busy - hidden,
                               ok=why is None)
         if why is not None:
             if "expired" in why:
-                self.w.stats.expired()
+                self.stats.expired()
             if s.grant is not None and not s.aborted_sent and "cancelled by the decoder" not in why:
                 s.aborted_sent = True
-                self.w.post(s.grant.decode, "abort", s.tid, why)
+                self.links.post(s.grant.decode, "abort", s.tid, why)
             _log.info("hixl.vllm: transfer %s (request %s) ended without delivery: %s", s.tid, s.rid, why)
         if s.added:
             try:

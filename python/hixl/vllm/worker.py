@@ -3,24 +3,26 @@
 It owns a hixl engine (listening on ``host:port``), registers vLLM's own KV cache tensors with it as
 they are (:meth:`hixl.kv.KVPool.wrap`: no staging pool, no copy), and runs two small threads that
 block (never spin): the *inbox* waits for notifies from peers (grants, cancels, releases, aborts) and
-the *jobs* thread does what may wait on a peer (connect, send a notify, start a pull) so that the
-forward pass never waits on the network. The prefill part is :class:`~hixl.vllm.producer.Producer`,
-the decode part :class:`~hixl.vllm.consumer.Consumer`; an instance with ``kv_both`` has both.
+the *jobs* thread (:class:`~hixl.vllm.engine_links.EngineLinks`, the links to peers) does what may wait
+on a peer (connect, send a notify, start a pull) so that the forward pass never waits on the network.
+The prefill part is :class:`~hixl.vllm.producer.Producer`, the decode part
+:class:`~hixl.vllm.consumer.Consumer`; an instance with ``kv_both`` has both. Each takes what it uses
+(engine, pool, layout, config, stats, links) from the worker, and never the worker itself.
 """
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from .. import kv
 from ..engine import Hixl
-from ..types import ALREADY_CONNECTED, SUCCESS, NotifyDesc
+from ..types import SUCCESS
 from . import messages
 from .config import ConnectorConfig
 from .consumer import Consumer
+from .engine_links import EngineLinks
 from .metadata import HixlConnectorMetadata, HixlHandshake
 from .producer import Producer
 from .stats import Recorder
@@ -85,7 +87,8 @@ class HixlWorker:
         self.engine: Optional[Hixl] = None
         self.layer_index: Dict[str, int] = {}
         self.stats = Recorder()
-        self._jobs: "queue.Queue[Optional[Callable[[], None]]]" = queue.Queue()
+        self.links: Optional[EngineLinks] = None
+        self._interior = ""
         self._stop = threading.Event()
         self._threads: List[threading.Thread] = []
         self.producer: Optional[Producer] = None
@@ -115,11 +118,14 @@ class HixlWorker:
         except kv.KVError as e:
             self.engine.finalize()
             raise RuntimeError(f"HixlConnector: registering vLLM's KV cache ({memory.ranges()}) failed: {e}") from e
+        self.links = EngineLinks(self.engine, self.config.connect_timeout_ms)
+        shared = dict(engine=self.engine, pool=self.pool, layout=self.layout, config=self.config, stats=self.stats,
+                     links=self.links, interior=self.interior)
         if self.role != "kv_consumer":
-            self.producer = Producer(self)
+            self.producer = Producer(**shared)
         if self.role != "kv_producer":
-            self.consumer = Consumer(self)
-        for name, fn in (("hixl-vllm-inbox", self._inbox_loop), ("hixl-vllm-jobs", self._jobs_loop)):
+            self.consumer = Consumer(**shared)
+        for name, fn in (("hixl-vllm-inbox", self._inbox_loop), ("hixl-vllm-jobs", self.links.run_jobs)):
             th = threading.Thread(target=fn, name=name, daemon=True)
             th.start()
             self._threads.append(th)
@@ -132,50 +138,22 @@ class HixlWorker:
         return HixlHandshake(engine=self.engine.local_engine, memory=self.pool.memory.to_dict(),
                              layout=dict(vars(self.layout)))
 
-    # -- the peer side: notifies, jobs ---------------------------------------------------------
-    def submit(self, job: Callable[[], None]) -> None:
-        """Runs ``job`` on the jobs thread (in order)."""
-        self._jobs.put(job)
+    @property
+    def interior(self) -> str:
+        """The KV blocks' interior (:func:`describe_kv_caches`), which a peer's must match; setting it
+        sets the producer's and the consumer's."""
+        return self._interior
 
+    @interior.setter
+    def interior(self, value: str) -> None:
+        self._interior = value
+        for part in (self.producer, self.consumer):
+            if part is not None:
+                part.interior = value
+
+    # -- the peer side: notifies (the jobs thread is the links') -------------------------------------
     def linked(self, peer: str) -> bool:
-        return self.engine is not None and self.engine.get_transport(peer)[0] == SUCCESS
-
-    def ensure_link(self, peer: str) -> None:
-        """Connects to ``peer`` unless linked (jobs thread only: it may wait ``connect_timeout_ms``)."""
-        if self.linked(peer):
-            return
-        rc = self.engine.connect(peer, self.config.connect_timeout_ms)
-        if rc not in (SUCCESS, ALREADY_CONNECTED):
-            raise ConnectionError(f"hixl connect to {peer} failed: {self.engine.last_error()}")
-
-    def send(self, peer: str, kind: str, tid: str, payload: str = "", connect: bool = True) -> None:
-        """Sends a message of :mod:`hixl.vllm.messages` (jobs thread only). Raises ConnectionError."""
-        if connect:
-            self.ensure_link(peer)
-        for name, msg in messages.encode(kind, tid, payload):
-            rc = self.engine.send_notify(peer, NotifyDesc(name=name, notify_msg=msg),
-                                         self.config.connect_timeout_ms)
-            if rc != SUCCESS:
-                raise ConnectionError(f"hixl send_notify({peer}, {name}) failed: {self.engine.last_error()}")
-
-    def post(self, peer: str, kind: str, tid: str, payload: str = "") -> None:
-        """:meth:`send` on the jobs thread, best effort (a failure is logged)."""
-        def job() -> None:
-            try:
-                self.send(peer, kind, tid, payload, connect=False)
-            except (ConnectionError, ValueError) as e:
-                _log.info("hixl.vllm: %s of %s to %s not delivered: %s", kind, tid, peer, e)
-        self.submit(job)
-
-    def _jobs_loop(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            try:
-                job()
-            except Exception:  # a job reports its own failures; this is a bug
-                _log.exception("hixl.vllm: job failed")
+        return self.links is not None and self.links.linked(peer)
 
     def _inbox_loop(self) -> None:
         reassembler = messages.Reassembler(ttl_s=max(60.0, self.config.lease_s))
@@ -269,7 +247,8 @@ class HixlWorker:
 
     def shutdown(self) -> None:
         self._stop.set()
-        self._jobs.put(None)
+        if self.links is not None:
+            self.links.stop_jobs()
         if self.producer is not None:
             self.producer.close()
         if self.engine is not None:
