@@ -102,7 +102,7 @@ def test_fork_after_registration_child_gets_a_clear_error_parent_keeps_working(p
             ok = (rc == FAILED and "fork()" in why and str(os.getppid()) in why
                   and b.register_mem(MemDesc(bbuf.ctypes.data, 64)) == (FAILED, 0)
                   and b.get_notifies() == (FAILED, []) and b.local_engine == "")
-            # the C per-request calls (engine_transfers) are gone from the child's engine too
+            # the C per-request calls (engine.py) are gone from the child's engine too
             ok = (ok and "transfer_async" not in vars(b) and b.transfer_async(a.local_engine, WRITE, d) == (FAILED, 0)
                   and "fork()" in b.last_error())
             b.finalize()
