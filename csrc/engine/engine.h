@@ -168,6 +168,10 @@ class Engine {
   enum class State { kNew, kReady, kFinalized };
 
   bool ready() const;
+  // initialize()'s steps (engine.cc): the wake and accept-wake eventfds and the inbox's (nothing left
+  // open when it throws); then, with the state set, the threads and the device's async events.
+  void open_event_fds(const std::string& name, int* wfd, int* afd);
+  void start_threads();
   void spawn(std::function<void()> fn);  // throws hixl::Error once finalize() began
   void wake();                           // the progress thread re-reads the link table
 
