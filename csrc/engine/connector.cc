@@ -231,56 +231,9 @@ int Engine::connect_once(const std::string& key, int timeout_ms, uint32_t offers
   {
     Handshakes::Guard guard(handshakes_, &s);
     try {
-      if (!opts_.auth_token.empty()) auth::client_handshake(s, opts_.auth_token, deadline);  // before anything of ours
-      wire::Control hello = hello_frame(wire::FrameType::kConnect, ep, offers, more);
-      hello.link = link->id;
-      oob::send_all(s, wire::encode_control(hello), deadline);
-      auto [h, payload] = oob::recv_frame(s, deadline);
-      peer = wire::parse_control(h.type, payload.data(), payload.size());
-      if (peer.type == wire::FrameType::kRefuse) {
-        // The peer's reason is passed on; its code only where connect() documents it.
-        int code = peer.status == kAlreadyConnected || peer.status == kUnsupported ? int(peer.status) : kFailed;
-        return fail(code, "connect to " + key + ": refused by the peer: " + peer.text);
-      }
-      if (peer.type != wire::FrameType::kAccept)
-        throw Error("expected an Accept frame, got type " + std::to_string(int(peer.type)));
-      if (peer.link != link->id)
-        throw Error("the Accept names link " + std::to_string(peer.link) + ", we asked for " + std::to_string(link->id));
-      if (!(offers & wire::transport_bit(peer.transport)))
-        throw Error(std::string("peer chose transport ") + wire::transport_name(peer.transport) + ", we offered " +
-                    offers_string(offers));
-      link->transport = peer.transport;
-      if (peer.transport == wire::Transport::kRdma) {
-        if (!ep || !peer.hello) throw Error("peer chose rdma without queue pair information");
-        if (peer.more_qps.size() > more.size())
-          throw Error("the peer answered with " + std::to_string(1 + peer.more_qps.size()) + " queue pairs, we offered " +
-                      std::to_string(1 + more.size()));
-        ep->connect(*peer.hello);
-        more.resize(peer.more_qps.size());  // the link has the smaller count of the two ends
-        for (size_t i = 0; i < more.size(); ++i) more[i]->connect(peer_qp(peer, i + 1));
-        link->ep = ep;
-        link->more_eps = std::move(more);
-      } else if (peer.transport == wire::Transport::kShm) {
-        std::string why = peer.boot_id != boot_id_ ? "the peer runs on another host (boot ids differ)"
-                                                   : transport::shm_probe(pid_t(peer.pid), peer.probe_addr, peer.probe_value);
-        if (!why.empty()) {
-          if (shm_refusal && (offers & wire::transport_bit(wire::Transport::kTcp))) {
-            *shm_refusal = why;
-            wire::Control no;  // tell the server why this attempt ends, so that it does not log a failure
-            no.type = wire::FrameType::kRefuse;
-            no.status = uint32_t(kUnsupported);
-            no.text = "shm not usable from the client (" + why + "); it reconnects without it";
-            oob::send_all(s, wire::encode_control(no), deadline);
-            // Until the server closed this connection: it has then read the Refuse and let go of
-            // our name, so that the retry is not refused as "a handshake from us is in progress".
-            oob::drain(s, deadline);
-            return kRetryWithoutShm;
-          }
-          throw Error("the same-host transport was chosen but is not usable from here: " + why);
-        }
-      }
-      make_path(*link, peer);
-      oob::send_all(s, wire::encode_ready(), deadline);
+      if (int rc = connect_handshake(s, *link, ep, more, offers, shm_refusal, deadline, &peer);
+          rc != kSuccess)
+        return rc;
     } catch (const Error& e) {
       if (!ready()) return fail(kFailed, "connect to " + key + ": engine finalized during the handshake");
       return fail(e.err() == ETIMEDOUT ? kTimeout : kFailed, "connect to " + key + ": handshake: " + e.what());
@@ -293,22 +246,9 @@ int Engine::connect_once(const std::string& key, int timeout_ms, uint32_t offers
     link->path->close();
     return fail(e.err() == ETIMEDOUT ? kTimeout : kFailed, "connect to " + key + ": final handshake step: " + e.what());
   }
-  // TCP: two data connections, now that the server has published the link. Direction 0: we request,
-  // the peer serves; 1: the other way round.
   if (link->tcp) {
     try {
-      for (uint32_t dir = 0; dir < 2; ++dir) {
-        oob::Socket d = oob::connect_tcp(host, uint16_t(port), std::max(left_until(deadline), milliseconds(1)));
-        if (!opts_.auth_token.empty()) auth::client_handshake(d, opts_.auth_token, deadline);
-        wire::Control a;
-        a.type = wire::FrameType::kAttach;
-        a.instance = instance_;
-        a.name = name_;
-        a.direction = dir;
-        a.link = link->id;
-        oob::send_all(d, wire::encode_control(a), deadline);
-        link->tcp->attach(dir == 1, std::move(d));
-      }
+      attach_tcp_data(*link, host, uint16_t(port), deadline);
     } catch (const Error& e) {
       link->path->close();
       return fail(e.err() == ETIMEDOUT ? kTimeout : kFailed, "connect to " + key + ": tcp data connection: " + e.what());
@@ -320,6 +260,88 @@ int Engine::connect_once(const std::string& key, int timeout_ms, uint32_t offers
                 "connect to " + key + ": a link appeared meanwhile, or the engine is finalizing");
   }
   return ok();
+}
+
+int Engine::connect_handshake(oob::Socket& s, Link& link, const std::shared_ptr<rdma::Endpoint>& ep,
+                              std::vector<std::shared_ptr<rdma::Endpoint>>& more, uint32_t offers,
+                              std::string* shm_refusal, Clock::time_point deadline, wire::Control* peer_out) {
+  wire::Control& peer = *peer_out;
+  if (!opts_.auth_token.empty()) auth::client_handshake(s, opts_.auth_token, deadline);  // before anything of ours
+  wire::Control hello = hello_frame(wire::FrameType::kConnect, ep, offers, more);
+  hello.link = link.id;
+  oob::send_all(s, wire::encode_control(hello), deadline);
+  auto [h, payload] = oob::recv_frame(s, deadline);
+  peer = wire::parse_control(h.type, payload.data(), payload.size());
+  if (peer.type == wire::FrameType::kRefuse) {
+    // The peer's reason is passed on; its code only where connect() documents it.
+    int code = peer.status == kAlreadyConnected || peer.status == kUnsupported ? int(peer.status) : kFailed;
+    return fail(code, "connect to " + link.key + ": refused by the peer: " + peer.text);
+  }
+  if (peer.type != wire::FrameType::kAccept)
+    throw Error("expected an Accept frame, got type " + std::to_string(int(peer.type)));
+  if (peer.link != link.id)
+    throw Error("the Accept names link " + std::to_string(peer.link) + ", we asked for " + std::to_string(link.id));
+  if (!(offers & wire::transport_bit(peer.transport)))
+    throw Error(std::string("peer chose transport ") + wire::transport_name(peer.transport) + ", we offered " +
+                offers_string(offers));
+  link.transport = peer.transport;
+  if (peer.transport == wire::Transport::kRdma) {
+    if (!ep || !peer.hello) throw Error("peer chose rdma without queue pair information");
+    if (peer.more_qps.size() > more.size())
+      throw Error("the peer answered with " + std::to_string(1 + peer.more_qps.size()) + " queue pairs, we offered " +
+                  std::to_string(1 + more.size()));
+    ep->connect(*peer.hello);
+    more.resize(peer.more_qps.size());  // the link has the smaller count of the two ends
+    for (size_t i = 0; i < more.size(); ++i) more[i]->connect(peer_qp(peer, i + 1));
+    link.ep = ep;
+    link.more_eps = std::move(more);
+  } else if (peer.transport == wire::Transport::kShm) {
+    std::string why = shm_unusable(peer);
+    if (!why.empty()) {
+      if (shm_refusal && (offers & wire::transport_bit(wire::Transport::kTcp))) {
+        *shm_refusal = why;
+        end_for_retry_without_shm(s, why, deadline);
+        return kRetryWithoutShm;
+      }
+      throw Error("the same-host transport was chosen but is not usable from here: " + why);
+    }
+  }
+  make_path(link, peer);
+  oob::send_all(s, wire::encode_ready(), deadline);
+  return kSuccess;
+}
+
+std::string Engine::shm_unusable(const wire::Control& peer) const {
+  return peer.boot_id != boot_id_ ? "the peer runs on another host (boot ids differ)"
+                                  : transport::shm_probe(pid_t(peer.pid), peer.probe_addr, peer.probe_value);
+}
+
+void Engine::end_for_retry_without_shm(oob::Socket& s, const std::string& why, Clock::time_point deadline) {
+  wire::Control no;  // tell the server why this attempt ends, so that it does not log a failure
+  no.type = wire::FrameType::kRefuse;
+  no.status = uint32_t(kUnsupported);
+  no.text = "shm not usable from the client (" + why + "); it reconnects without it";
+  oob::send_all(s, wire::encode_control(no), deadline);
+  // Until the server closed this connection: it has then read the Refuse and let go of
+  // our name, so that the retry is not refused as "a handshake from us is in progress".
+  oob::drain(s, deadline);
+}
+
+// TCP: two data connections, now that the server has published the link. Direction 0: we request,
+// the peer serves; 1: the other way round.
+void Engine::attach_tcp_data(Link& link, const std::string& host, uint16_t port, Clock::time_point deadline) {
+  for (uint32_t dir = 0; dir < 2; ++dir) {
+    oob::Socket d = oob::connect_tcp(host, port, std::max(left_until(deadline), milliseconds(1)));
+    if (!opts_.auth_token.empty()) auth::client_handshake(d, opts_.auth_token, deadline);
+    wire::Control a;
+    a.type = wire::FrameType::kAttach;
+    a.instance = instance_;
+    a.name = name_;
+    a.direction = dir;
+    a.link = link.id;
+    oob::send_all(d, wire::encode_control(a), deadline);
+    link.tcp->attach(dir == 1, std::move(d));
+  }
 }
 
 // The peer attaches only after our READY, and we publish the link before we send that: a data

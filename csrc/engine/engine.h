@@ -178,6 +178,22 @@ class Engine {
   // connector.cc
   int connect_impl(const std::string& key, int timeout_ms);
   int connect_once(const std::string& key, int timeout_ms, uint32_t offers, std::string* shm_refusal);
+  // connect_once()'s handshake on s (under the Handshakes guard): auth, our Connect, the peer's
+  // Accept checked, the queue pairs connected (ep, and as many of `more` as the peer answered), the
+  // data path built, our READY sent. kSuccess; a refusal's status (fail()); kRetryWithoutShm when
+  // the same-host transport the peer chose is not usable from here (the server was told; the
+  // reason in *shm_refusal). Throws hixl::Error on a broken or timed-out exchange.
+  int connect_handshake(oob::Socket& s, Link& link, const std::shared_ptr<rdma::Endpoint>& ep,
+                        std::vector<std::shared_ptr<rdma::Endpoint>>& more, uint32_t offers, std::string* shm_refusal,
+                        std::chrono::steady_clock::time_point deadline, wire::Control* peer);
+  // Why the same-host transport to peer is not usable from here ("": it is).
+  std::string shm_unusable(const wire::Control& peer) const;
+  // Tells the server why this attempt ends (a Refuse) and waits for it to close the connection.
+  void end_for_retry_without_shm(oob::Socket& s, const std::string& why,
+                                 std::chrono::steady_clock::time_point deadline);
+  // The TCP link's two data connections, once the server published the link; throws.
+  void attach_tcp_data(Link& link, const std::string& host, uint16_t port,
+                       std::chrono::steady_clock::time_point deadline);
   int disconnect_impl(const std::string& key, int timeout_ms, const std::string& why);
   std::shared_ptr<rdma::Endpoint> make_endpoint() const;
   // A link's further queue pairs (HixlRdmaQpsPerLink - 1 of them, or fewer as the peer allows).
