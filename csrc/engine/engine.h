@@ -212,6 +212,22 @@ class Engine {
   void accept_loop();
   void accept_incoming();
   void serve_incoming(oob::Socket s);
+  // serve_incoming()'s steps. refuse_peer: logs the refusal, sends it (best effort) and lets the
+  // peer read it. read_connect: the auth exchange (when we have a token: authenticate_peer) and the
+  // peer's Connect into *c; false when the connection was answered here (refused, or a TCP data
+  // connection attached). choose_transport: the one both ends can use (kNone: none; *shm_why says
+  // why not the same-host one). incoming_link: the link with its queue pairs connected and its
+  // data path built; accept_and_publish: our Accept, the peer's READY, the link published (our
+  // claim on its name ended: *claimed false; the link it replaced in *old, retired) and our READY.
+  void refuse_peer(oob::Socket& s, const std::string& from, std::chrono::steady_clock::time_point deadline, int code,
+                   const std::string& why, bool warn = false, const std::string& detail = "");
+  bool read_connect(oob::Socket& s, const std::string& from, std::chrono::steady_clock::time_point deadline,
+                    wire::Control* c);
+  bool authenticate_peer(oob::Socket& s, const std::string& from, std::chrono::steady_clock::time_point deadline);
+  wire::Transport choose_transport(const wire::Control& c, std::string* shm_why) const;
+  std::shared_ptr<Link> incoming_link(const wire::Control& c, const std::string& key, wire::Transport chosen);
+  void accept_and_publish(const std::shared_ptr<Link>& link, oob::Socket& s, const wire::Control& c,
+                          std::chrono::steady_clock::time_point deadline, bool* claimed, std::shared_ptr<Link>* old);
   void serve_attach(oob::Socket s, const wire::Control& c);
 
   // transfers.cc
