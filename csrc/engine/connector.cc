@@ -231,56 +231,9 @@ int Engine::connect_once(const std::string& key, int timeout_ms, uint32_t offers
   {
     Handshakes::Guard guard(handshakes_, &s);
     try {
-      if (!opts_.auth_token.empty()) auth::client_handshake(s, opts_.auth_token, deadline);  // before anything of ours
-      wire::Control hello = hello_frame(wire::FrameType::kConnect, ep, offers, more);
-      hello.link = link->id;
-      oob::send_all(s, wire::encode_control(hello), deadline);
-      auto [h, payload] = oob::recv_frame(s, deadline);
-      peer = wire::parse_control(h.type, payload.data(), payload.size());
-      if (peer.type == wire::FrameType::kRefuse) {
-        // The peer's reason is passed on; its code only where connect() documents it.
-        int code = peer.status == kAlreadyConnected || peer.status == kUnsupported ? int(peer.status) : kFailed;
-        return fail(code, "connect to " + key + ": refused by the peer: " + peer.text);
-      }
-      if (peer.type != wire::FrameType::kAccept)
-        throw Error("expected an Accept frame, got type " + std::to_string(int(peer.type)));
-      if (peer.link != link->id)
-        throw Error("the Accept names link " + std::to_string(peer.link) + ", we asked for " + std::to_string(link->id));
-      if (!(offers & wire::transport_bit(peer.transport)))
-        throw Error(std::string("peer chose transport ") + wire::transport_name(peer.transport) + ", we offered " +
-                    offers_string(offers));
-      link->transport = peer.transport;
-      if (peer.transport == wire::Transport::kRdma) {
-        if (!ep || !peer.hello) throw Error("peer chose rdma without queue pair information");
-        if (peer.more_qps.size() > more.size())
-          throw Error("the peer answered with " + std::to_string(1 + peer.more_qps.size()) + " queue pairs, we offered " +
-                      std::to_string(1 + more.size()));
-        ep->connect(*peer.hello);
-        more.resize(peer.more_qps.size());  // the link has the smaller count of the two ends
-        for (size_t i = 0; i < more.size(); ++i) more[i]->connect(peer_qp(peer, i + 1));
-        link->ep = ep;
-        link->more_eps = std::move(more);
-      } else if (peer.transport == wire::Transport::kShm) {
-        std::string why = peer.boot_id != boot_id_ ? "the peer runs on another host (boot ids differ)"
-                                                   : transport::shm_probe(pid_t(peer.pid), peer.probe_addr, peer.probe_value);
-        if (!why.empty()) {
-          if (shm_refusal && (offers & wire::transport_bit(wire::Transport::kTcp))) {
-            *shm_refusal = why;
-            wire::Control no;  // tell the server why this attempt ends, so that it does not log a failure
-            no.type = wire::FrameType::kRefuse;
-            no.status = uint32_t(kUnsupported);
-            no.text = "shm not usable from the client (" + why + "); it reconnects without it";
-            oob::send_all(s, wire::encode_control(no), deadline);
-            // Until the server closed this connection: it has then read the Refuse and let go of
-            // our name, so that the retry is not refused as "a handshake from us is in progress".
-            oob::drain(s, deadline);
-            return kRetryWithoutShm;
-          }
-          throw Error("the same-host transport was chosen but is not usable from here: " + why);
-        }
-      }
-      make_path(*link, peer);
-      oob::send_all(s, wire::encode_ready(), deadline);
+      if (int rc = connect_handshake(s, *link, ep, more, offers, shm_refusal, deadline, &peer);
+          rc != kSuccess)
+        return rc;
     } catch (const Error& e) {
       if (!ready()) return fail(kFailed, "connect to " + key + ": engine finalized during the handshake");
       return fail(e.err() == ETIMEDOUT ? kTimeout : kFailed, "connect to " + key + ": handshake: " + e.what());
@@ -293,22 +246,9 @@ int Engine::connect_once(const std::string& key, int timeout_ms, uint32_t offers
     link->path->close();
     return fail(e.err() == ETIMEDOUT ? kTimeout : kFailed, "connect to " + key + ": final handshake step: " + e.what());
   }
-  // TCP: two data connections, now that the server has published the link. Direction 0: we request,
-  // the peer serves; 1: the other way round.
   if (link->tcp) {
     try {
-      for (uint32_t dir = 0; dir < 2; ++dir) {
-        oob::Socket d = oob::connect_tcp(host, uint16_t(port), std::max(left_until(deadline), milliseconds(1)));
-        if (!opts_.auth_token.empty()) auth::client_handshake(d, opts_.auth_token, deadline);
-        wire::Control a;
-        a.type = wire::FrameType::kAttach;
-        a.instance = instance_;
-        a.name = name_;
-        a.direction = dir;
-        a.link = link->id;
-        oob::send_all(d, wire::encode_control(a), deadline);
-        link->tcp->attach(dir == 1, std::move(d));
-      }
+      attach_tcp_data(*link, host, uint16_t(port), deadline);
     } catch (const Error& e) {
       link->path->close();
       return fail(e.err() == ETIMEDOUT ? kTimeout : kFailed, "connect to " + key + ": tcp data connection: " + e.what());
@@ -320,6 +260,88 @@ int Engine::connect_once(const std::string& key, int timeout_ms, uint32_t offers
                 "connect to " + key + ": a link appeared meanwhile, or the engine is finalizing");
   }
   return ok();
+}
+
+int Engine::connect_handshake(oob::Socket& s, Link& link, const std::shared_ptr<rdma::Endpoint>& ep,
+                              std::vector<std::shared_ptr<rdma::Endpoint>>& more, uint32_t offers,
+                              std::string* shm_refusal, Clock::time_point deadline, wire::Control* peer_out) {
+  wire::Control& peer = *peer_out;
+  if (!opts_.auth_token.empty()) auth::client_handshake(s, opts_.auth_token, deadline);  // before anything of ours
+  wire::Control hello = hello_frame(wire::FrameType::kConnect, ep, offers, more);
+  hello.link = link.id;
+  oob::send_all(s, wire::encode_control(hello), deadline);
+  auto [h, payload] = oob::recv_frame(s, deadline);
+  peer = wire::parse_control(h.type, payload.data(), payload.size());
+  if (peer.type == wire::FrameType::kRefuse) {
+    // The peer's reason is passed on; its code only where connect() documents it.
+    int code = peer.status == kAlreadyConnected || peer.status == kUnsupported ? int(peer.status) : kFailed;
+    return fail(code, "connect to " + link.key + ": refused by the peer: " + peer.text);
+  }
+  if (peer.type != wire::FrameType::kAccept)
+    throw Error("expected an Accept frame, got type " + std::to_string(int(peer.type)));
+  if (peer.link != link.id)
+    throw Error("the Accept names link " + std::to_string(peer.link) + ", we asked for " + std::to_string(link.id));
+  if (!(offers & wire::transport_bit(peer.transport)))
+    throw Error(std::string("peer chose transport ") + wire::transport_name(peer.transport) + ", we offered " +
+                offers_string(offers));
+  link.transport = peer.transport;
+  if (peer.transport == wire::Transport::kRdma) {
+    if (!ep || !peer.hello) throw Error("peer chose rdma without queue pair information");
+    if (peer.more_qps.size() > more.size())
+      throw Error("the peer answered with " + std::to_string(1 + peer.more_qps.size()) + " queue pairs, we offered " +
+                  std::to_string(1 + more.size()));
+    ep->connect(*peer.hello);
+    more.resize(peer.more_qps.size());  // the link has the smaller count of the two ends
+    for (size_t i = 0; i < more.size(); ++i) more[i]->connect(peer_qp(peer, i + 1));
+    link.ep = ep;
+    link.more_eps = std::move(more);
+  } else if (peer.transport == wire::Transport::kShm) {
+    std::string why = shm_unusable(peer);
+    if (!why.empty()) {
+      if (shm_refusal && (offers & wire::transport_bit(wire::Transport::kTcp))) {
+        *shm_refusal = why;
+        end_for_retry_without_shm(s, why, deadline);
+        return kRetryWithoutShm;
+      }
+      throw Error("the same-host transport was chosen but is not usable from here: " + why);
+    }
+  }
+  make_path(link, peer);
+  oob::send_all(s, wire::encode_ready(), deadline);
+  return kSuccess;
+}
+
+std::string Engine::shm_unusable(const wire::Control& peer) const {
+  return peer.boot_id != boot_id_ ? "the peer runs on another host (boot ids differ)"
+                                  : transport::shm_probe(pid_t(peer.pid), peer.probe_addr, peer.probe_value);
+}
+
+void Engine::end_for_retry_without_shm(oob::Socket& s, const std::string& why, Clock::time_point deadline) {
+  wire::Control no;  // tell the server why this attempt ends, so that it does not log a failure
+  no.type = wire::FrameType::kRefuse;
+  no.status = uint32_t(kUnsupported);
+  no.text = "shm not usable from the client (" + why + "); it reconnects without it";
+  oob::send_all(s, wire::encode_control(no), deadline);
+  // Until the server closed this connection: it has then read the Refuse and let go of
+  // our name, so that the retry is not refused as "a handshake from us is in progress".
+  oob::drain(s, deadline);
+}
+
+// TCP: two data connections, now that the server has published the link. Direction 0: we request,
+// the peer serves; 1: the other way round.
+void Engine::attach_tcp_data(Link& link, const std::string& host, uint16_t port, Clock::time_point deadline) {
+  for (uint32_t dir = 0; dir < 2; ++dir) {
+    oob::Socket d = oob::connect_tcp(host, port, std::max(left_until(deadline), milliseconds(1)));
+    if (!opts_.auth_token.empty()) auth::client_handshake(d, opts_.auth_token, deadline);
+    wire::Control a;
+    a.type = wire::FrameType::kAttach;
+    a.instance = instance_;
+    a.name = name_;
+    a.direction = dir;
+    a.link = link.id;
+    oob::send_all(d, wire::encode_control(a), deadline);
+    link.tcp->attach(dir == 1, std::move(d));
+  }
 }
 
 // The peer attaches only after our READY, and we publish the link before we send that: a data
@@ -396,140 +418,181 @@ void Engine::serve_incoming(oob::Socket s) {
   Handshakes::Guard guard(handshakes_, &s);
   auto deadline = Clock::now() + milliseconds(opts_.handshake_timeout_ms);
   const std::string from = oob::peer_address(s);
-  const std::string& token = opts_.auth_token;
-  // A refusal carries its status and reason, nothing else of ours. Refusals of peers that did not
-  // authenticate are warnings (with the peer's address; never the token).
-  auto refuse = [&](int code, const std::string& why, bool warn = false, const std::string& detail = "") {
-    const std::string msg = "engine " + name_ + ": refusing the peer at " + from + ": " + why +
-                            (detail.empty() ? "" : " (" + detail + ")");
-    if (warn)
-      log::warn(msg);
-    else
-      log::info(msg);
-    wire::Control r;
-    r.type = wire::FrameType::kRefuse;
-    r.status = uint32_t(code);
-    r.text = why;
-    try {
-      oob::send_all(s, wire::encode_control(r), deadline);
-    } catch (const std::exception&) {
-    }
-    oob::drain(s, std::min(deadline, Clock::now() + milliseconds(200)));  // so the peer gets to read it
-  };
   wire::Control c;
-  bool authenticated = token.empty();
-  try {
-    if (!token.empty()) {
-      // The first frame must be an AuthHello: anything else is refused by its header alone, and
-      // nothing longer than an auth frame is read before the peer proved the token.
-      wire::Header h = oob::recv_header(s, deadline);
-      if (h.type != wire::FrameType::kAuthHello) {
-        metrics_.link_closed(Metrics::Cause::kAuth);
-        return refuse(kFailed, "authentication required (this engine accepts only peers with its HixlAuthToken)",
-                      true);
-      }
-      auto payload = oob::recv_payload(s, h, deadline, auth::kMaxPreAuthPayload);
-      std::string why = auth::server_handshake(s, token, wire::parse_control(h.type, payload.data(), payload.size()),
-                                               deadline);
-      if (!why.empty()) {
-        metrics_.link_closed(Metrics::Cause::kAuth);
-        return refuse(kFailed, why, true);
-      }
-      authenticated = true;
-    }
-    auto [h, payload] = oob::recv_frame(s, deadline);
-    c = wire::parse_control(h.type, payload.data(), payload.size());
-    if (c.type == wire::FrameType::kAuthHello && token.empty())
-      return refuse(int(auth::kStatusNoAuth), "this engine has no HixlAuthToken: it does not authenticate peers", true);
-    if (c.type == wire::FrameType::kAuthHello) return refuse(kFailed, "authentication already done", true);
-    if (c.type == wire::FrameType::kAttach) return serve_attach(std::move(s), c);
-    if (c.type != wire::FrameType::kConnect) throw Error("expected a Connect frame, got type " + std::to_string(int(h.type)));
-  } catch (const std::exception& e) {
-    // Before authentication the reason stays generic: the details (which may name our socket) go to the log only.
-    if (!authenticated) {
-      metrics_.link_closed(Metrics::Cause::kAuth);
-      return refuse(kFailed, "bad handshake (authentication required)", true, e.what());
-    }
-    return refuse(kFailed, std::string("bad handshake: ") + e.what());
-  }
+  if (!read_connect(s, from, deadline, &c)) return;
   int peer_port = -1;
   auto key = canonical(c.name, &peer_port);
-  if (!key) return refuse(kParamInvalid, "peer name \"" + c.name + "\" is not an engine address");
+  if (!key)
+    return refuse_peer(s, from, deadline, kParamInvalid, "peer name \"" + c.name + "\" is not an engine address");
 
-  // Transport: rdma when both ends have a device, else same-host when both are on this host and
-  // cross-memory attach works, else TCP (a warning when that is the auto choice).
-  const uint32_t common = c.offers & offers_;
-  auto has = [&](wire::Transport t) { return (common & wire::transport_bit(t)) != 0; };
-  wire::Transport chosen = wire::Transport::kNone;
   std::string shm_why;
-  if (has(wire::Transport::kRdma) && c.hello && pd_) {
-    chosen = wire::Transport::kRdma;
-  } else {
-    if (has(wire::Transport::kShm)) {
-      shm_why = c.boot_id != boot_id_ ? "the peer runs on another host (boot ids differ)"
-                                      : transport::shm_probe(pid_t(c.pid), c.probe_addr, c.probe_value);
-      if (shm_why.empty()) chosen = wire::Transport::kShm;
-    }
-    if (chosen == wire::Transport::kNone && has(wire::Transport::kTcp)) chosen = wire::Transport::kTcp;
-  }
+  const wire::Transport chosen = choose_transport(c, &shm_why);
   if (chosen == wire::Transport::kNone)
-    return refuse(kUnsupported, "no common transport: peer offers " + offers_string(c.offers) + ", " + name_ +
-                                    " offers " + offers_string(offers_) + (shm_why.empty() ? "" : "; shm: " + shm_why));
+    return refuse_peer(s, from, deadline, kUnsupported,
+                       "no common transport: peer offers " + offers_string(c.offers) + ", " + name_ + " offers " +
+                           offers_string(offers_) + (shm_why.empty() ? "" : "; shm: " + shm_why));
   if (chosen == wire::Transport::kTcp && !shm_why.empty())
     log::warn("engine " + name_ + ": same-host transport to " + *key + " not usable (" + shm_why + "); using tcp");
   {
     int code = kSuccess;
     std::string why = links_.claim_incoming(*key, name_, peer_port >= 0, c.instance, &code);
-    if (!why.empty()) return refuse(code, why);
+    if (!why.empty()) return refuse_peer(s, from, deadline, code, why);
   }
   bool claimed = true;  // the link table holds *key for us; add_link() gives it back once the link is published
   std::shared_ptr<Link> old;
   try {
-    auto link = std::make_shared<Link>();
-    link->key = *key;
-    link->id = c.link;
-    link->transport = chosen;
-    if (chosen == wire::Transport::kRdma) {
-      link->ep = make_endpoint();
-      link->ep->connect(*c.hello);  // RTR/RTS before we answer: the client may write as soon as it has our reply
-      link->more_eps = make_more_endpoints(std::min(c.more_qps.size(), more_qps_wanted()));
-      for (size_t i = 0; i < link->more_eps.size(); ++i) link->more_eps[i]->connect(peer_qp(c, i + 1));
-    }
-    make_path(*link, c);
-    wire::Control a = hello_frame(wire::FrameType::kAccept, link->ep, offers_, link->more_eps);
-    a.transport = chosen;
-    a.link = link->id;
-    oob::send_all(s, wire::encode_control(a), deadline);
-    auto [h, payload] = oob::recv_frame(s, deadline);
-    if (h.type == wire::FrameType::kRefuse) {  // the client's probe of us failed: it retries without shm
-      log::info("engine " + name_ + ": " + *key + " ended its handshake: " + wire::parse_control(h.type, payload.data(), payload.size()).text);
-      link->path->close();
-    } else if (h.type != wire::FrameType::kReady) {
-      throw Error("expected READY, got frame type " + std::to_string(int(h.type)));
-    } else {
-    // Published, then confirmed with a READY of ours, so that the client's connect() returns only
-    // once both ends hold the link. send_mu keeps any other frame for this link behind it.
-    // Everything this handshake has to do is done before that READY: add_link() ends our claim on
-    // the peer's name, and the link it replaced is retired here, so that a client that disconnects
-    // and connects again the moment its connect() returned is neither refused ("a handshake is in
-    // progress") nor raced by the old link's teardown.
-    std::unique_lock<std::mutex> first(link->send_mu);
-    if (!add_link(link, std::move(s), c, &old)) {
-      first.unlock();
-      link->path->close();
-      log::info("engine " + name_ + ": dropping the link from " + *key + " (finalizing)");
-    } else {
-      claimed = false;
-      if (old) remove_link(old, "superseded by a new connection from the same peer", Metrics::Cause::kSuperseded);
-      old.reset();
-      oob::send_all(link->ctrl, wire::encode_ready(), deadline);
-    }
-    }
+    auto link = incoming_link(c, *key, chosen);
+    accept_and_publish(link, s, c, deadline, &claimed, &old);
   } catch (const std::exception& e) {
     log::warn("engine " + name_ + ": handshake with " + *key + " failed: " + e.what());
   }
   if (old) remove_link(old, "superseded by a new connection from the same peer", Metrics::Cause::kSuperseded);
   if (claimed) links_.release_incoming(*key);
+}
+
+// A refusal carries its status and reason, nothing else of ours. Refusals of peers that did not
+// authenticate are warnings (with the peer's address; never the token).
+void Engine::refuse_peer(oob::Socket& s, const std::string& from, Clock::time_point deadline, int code,
+                         const std::string& why, bool warn, const std::string& detail) {
+  const std::string msg = "engine " + name_ + ": refusing the peer at " + from + ": " + why +
+                          (detail.empty() ? "" : " (" + detail + ")");
+  if (warn)
+    log::warn(msg);
+  else
+    log::info(msg);
+  wire::Control r;
+  r.type = wire::FrameType::kRefuse;
+  r.status = uint32_t(code);
+  r.text = why;
+  try {
+    oob::send_all(s, wire::encode_control(r), deadline);
+  } catch (const std::exception&) {
+  }
+  oob::drain(s, std::min(deadline, Clock::now() + milliseconds(200)));  // so the peer gets to read it
+}
+
+bool Engine::read_connect(oob::Socket& s, const std::string& from, Clock::time_point deadline, wire::Control* c) {
+  const std::string& token = opts_.auth_token;
+  bool authenticated = token.empty();
+  try {
+    if (!token.empty()) {
+      if (!authenticate_peer(s, from, deadline)) return false;
+      authenticated = true;
+    }
+    auto [h, payload] = oob::recv_frame(s, deadline);
+    *c = wire::parse_control(h.type, payload.data(), payload.size());
+    if (c->type == wire::FrameType::kAuthHello && token.empty()) {
+      refuse_peer(s, from, deadline, int(auth::kStatusNoAuth),
+                  "this engine has no HixlAuthToken: it does not authenticate peers", true);
+      return false;
+    }
+    if (c->type == wire::FrameType::kAuthHello) {
+      refuse_peer(s, from, deadline, kFailed, "authentication already done", true);
+      return false;
+    }
+    if (c->type == wire::FrameType::kAttach) {
+      serve_attach(std::move(s), *c);
+      return false;
+    }
+    if (c->type != wire::FrameType::kConnect) throw Error("expected a Connect frame, got type " + std::to_string(int(h.type)));
+  } catch (const std::exception& e) {
+    // Before authentication the reason stays generic: the details (which may name our socket) go to the log only.
+    if (!authenticated) {
+      metrics_.link_closed(Metrics::Cause::kAuth);
+      refuse_peer(s, from, deadline, kFailed, "bad handshake (authentication required)", true, e.what());
+      return false;
+    }
+    refuse_peer(s, from, deadline, kFailed, std::string("bad handshake: ") + e.what());
+    return false;
+  }
+  return true;
+}
+
+bool Engine::authenticate_peer(oob::Socket& s, const std::string& from, Clock::time_point deadline) {
+  // The first frame must be an AuthHello: anything else is refused by its header alone, and
+  // nothing longer than an auth frame is read before the peer proved the token.
+  wire::Header h = oob::recv_header(s, deadline);
+  if (h.type != wire::FrameType::kAuthHello) {
+    metrics_.link_closed(Metrics::Cause::kAuth);
+    refuse_peer(s, from, deadline, kFailed,
+                "authentication required (this engine accepts only peers with its HixlAuthToken)", true);
+    return false;
+  }
+  auto payload = oob::recv_payload(s, h, deadline, auth::kMaxPreAuthPayload);
+  std::string why = auth::server_handshake(
+      s, opts_.auth_token, wire::parse_control(h.type, payload.data(), payload.size()), deadline);
+  if (!why.empty()) {
+    metrics_.link_closed(Metrics::Cause::kAuth);
+    refuse_peer(s, from, deadline, kFailed, why, true);
+    return false;
+  }
+  return true;
+}
+
+// Transport: rdma when both ends have a device, else same-host when both are on this host and
+// cross-memory attach works, else TCP (a warning when that is the auto choice).
+wire::Transport Engine::choose_transport(const wire::Control& c, std::string* shm_why) const {
+  const uint32_t common = c.offers & offers_;
+  auto has = [&](wire::Transport t) { return (common & wire::transport_bit(t)) != 0; };
+  wire::Transport chosen = wire::Transport::kNone;
+  if (has(wire::Transport::kRdma) && c.hello && pd_) {
+    chosen = wire::Transport::kRdma;
+  } else {
+    if (has(wire::Transport::kShm)) {
+      *shm_why = shm_unusable(c);
+      if (shm_why->empty()) chosen = wire::Transport::kShm;
+    }
+    if (chosen == wire::Transport::kNone && has(wire::Transport::kTcp)) chosen = wire::Transport::kTcp;
+  }
+  return chosen;
+}
+
+std::shared_ptr<Link> Engine::incoming_link(const wire::Control& c, const std::string& key, wire::Transport chosen) {
+  auto link = std::make_shared<Link>();
+  link->key = key;
+  link->id = c.link;
+  link->transport = chosen;
+  if (chosen == wire::Transport::kRdma) {
+    link->ep = make_endpoint();
+    link->ep->connect(*c.hello);  // RTR/RTS before we answer: the client may write as soon as it has our reply
+    link->more_eps = make_more_endpoints(std::min(c.more_qps.size(), more_qps_wanted()));
+    for (size_t i = 0; i < link->more_eps.size(); ++i) link->more_eps[i]->connect(peer_qp(c, i + 1));
+  }
+  make_path(*link, c);
+  return link;
+}
+
+void Engine::accept_and_publish(const std::shared_ptr<Link>& link, oob::Socket& s, const wire::Control& c,
+                                Clock::time_point deadline, bool* claimed, std::shared_ptr<Link>* old) {
+  const std::string& key = link->key;
+  wire::Control a = hello_frame(wire::FrameType::kAccept, link->ep, offers_, link->more_eps);
+  a.transport = link->transport;
+  a.link = link->id;
+  oob::send_all(s, wire::encode_control(a), deadline);
+  auto [h, payload] = oob::recv_frame(s, deadline);
+  if (h.type == wire::FrameType::kRefuse) {  // the client's probe of us failed: it retries without shm
+    log::info("engine " + name_ + ": " + key + " ended its handshake: " + wire::parse_control(h.type, payload.data(), payload.size()).text);
+    link->path->close();
+    return;
+  }
+  if (h.type != wire::FrameType::kReady) throw Error("expected READY, got frame type " + std::to_string(int(h.type)));
+  // Published, then confirmed with a READY of ours, so that the client's connect() returns only
+  // once both ends hold the link. send_mu keeps any other frame for this link behind it.
+  // Everything this handshake has to do is done before that READY: add_link() ends our claim on
+  // the peer's name, and the link it replaced is retired here, so that a client that disconnects
+  // and connects again the moment its connect() returned is neither refused ("a handshake is in
+  // progress") nor raced by the old link's teardown.
+  std::unique_lock<std::mutex> first(link->send_mu);
+  if (!add_link(link, std::move(s), c, old)) {
+    first.unlock();
+    link->path->close();
+    log::info("engine " + name_ + ": dropping the link from " + key + " (finalizing)");
+    return;
+  }
+  *claimed = false;
+  if (*old) remove_link(*old, "superseded by a new connection from the same peer", Metrics::Cause::kSuperseded);
+  old->reset();
+  oob::send_all(link->ctrl, wire::encode_ready(), deadline);
 }
 
 int Engine::disconnect(const std::string& remote, int timeout_ms) {

@@ -42,6 +42,82 @@ bool Engine::ready() const { return state_.load(std::memory_order_acquire) == St
 
 std::string Engine::last_error() const { return detail::last_error(); }
 
+namespace {
+
+// initialize()'s checks of its options, in order: kSuccess, or the first failed check's kParamInvalid.
+int check_options(const Options& opts) {
+  if (opts.transport != "auto" && opts.transport != "rdma" && opts.transport != "shm" && opts.transport != "tcp")
+    return fail(kParamInvalid, "initialize: unknown transport \"" + opts.transport + "\"");
+  if (opts.traffic_class > 255 || opts.service_level > 15 || opts.gid_index > 255)
+    return fail(kParamInvalid, "initialize: traffic_class 0..255, service_level 0..15, gid_index 0..255");
+  if (opts.rdma_timeout == 0 || opts.rdma_timeout > 31 || opts.rdma_retry_count > 7)
+    return fail(kParamInvalid, "initialize: rdma_timeout=" + std::to_string(opts.rdma_timeout) +
+                                   " rdma_retry_count=" + std::to_string(opts.rdma_retry_count) +
+                                   ": need rdma_timeout 1..31 (0 would never retransmit), rdma_retry_count 0..7");
+  if (opts.rdma_qps_per_link == 0 || opts.rdma_qps_per_link > int(transport::RdmaPath::kMaxQps))
+    return fail(kParamInvalid, "initialize: rdma_qps_per_link=" + std::to_string(opts.rdma_qps_per_link) +
+                                   ": need 1.." + std::to_string(transport::RdmaPath::kMaxQps));
+  if (opts.rdma_max_wr_bytes != -1 &&
+      (opts.rdma_max_wr_bytes < Options::kMinMaxWrBytes || opts.rdma_max_wr_bytes > Options::kMaxMaxWrBytes))
+    return fail(kParamInvalid, "initialize: rdma_max_wr_bytes=" + std::to_string(opts.rdma_max_wr_bytes) +
+                                   ": need " + std::to_string(Options::kMinMaxWrBytes) + ".." +
+                                   std::to_string(Options::kMaxMaxWrBytes));
+  if (opts.rdma_send_window_bytes < -1 || opts.rdma_send_window_bytes > Options::kMaxSendWindowBytes)
+    return fail(kParamInvalid, "initialize: rdma_send_window_bytes=" + std::to_string(opts.rdma_send_window_bytes) +
+                                   ": need 0.." + std::to_string(Options::kMaxSendWindowBytes) + " (0: none)");
+  if (opts.async_timeout_ms < 0 || opts.heartbeat_ms < 0 || opts.heartbeat_ms > 3600000 ||
+      opts.heartbeat_misses < 1 || opts.heartbeat_misses > 1000)
+    return fail(kParamInvalid, "initialize: async_timeout_ms=" + std::to_string(opts.async_timeout_ms) +
+                                   " heartbeat_ms=" + std::to_string(opts.heartbeat_ms) + " heartbeat_misses=" +
+                                   std::to_string(opts.heartbeat_misses) +
+                                   ": need async_timeout_ms >= 0, heartbeat_ms 0..3600000, heartbeat_misses 1..1000");
+  return kSuccess;
+}
+
+// The RDMA device, when the options ask for one and its port 1 is ACTIVE (into *pd; else *why_none
+// says why there is none). kFailed when RDMA was required (HixlTransport=rdma, or a device named
+// under auto) but is unusable.
+int open_rdma(const Options& opts, std::shared_ptr<verbs::ProtectionDomain>* pd_out, std::string* why_none) {
+  std::shared_ptr<verbs::ProtectionDomain> pd;
+  *why_none = "not asked for (HixlTransport=" + opts.transport + ")";
+  const bool want_rdma = opts.transport == "auto" || opts.transport == "rdma";
+  if (want_rdma) try {
+    pd = verbs::ProtectionDomain::shared_for(opts.device);
+    auto pi = pd->context()->query_port(1);
+    if (pi.state != IBV_PORT_ACTIVE) {
+      *why_none = "device " + pd->context()->name() + " port 1 is not ACTIVE";
+      pd.reset();
+    } else {
+      pd->context()->select_gid_index(1, opts.gid_index);  // validates HixlGidIndex / $HIXL_GID_INDEX now
+    }
+  } catch (const Error& e) {
+    *why_none = e.what();
+    pd.reset();
+  }
+  if (!pd && (opts.transport == "rdma" || (want_rdma && !opts.device.empty())))
+    return fail(kFailed, "initialize: RDMA transport requested but unusable: " + *why_none);
+  *pd_out = std::move(pd);
+  return kSuccess;
+}
+
+// Soft-RoCE's defaults, unless told otherwise: 8 queue pairs per link, each with a 64 KiB send window
+// where the link is striped, 16 KiB work requests that grow for big requests where it has no window
+// (Options::kSoftRoce*, types.h). Elsewhere -1 keeps the endpoint's own defaults.
+void apply_device_defaults(Options* o, bool soft_roce) {
+  o->rdma_max_slices = 0;
+  if (soft_roce) {
+    if (o->rdma_qps_per_link < 0) o->rdma_qps_per_link = Options::kSoftRoceQpsPerLink;
+    if (o->rdma_send_window_bytes < 0 && o->rdma_qps_per_link > 1)
+      o->rdma_send_window_bytes = Options::kSoftRoceSendWindowBytes;
+    if (o->rdma_max_wr_bytes < 0) {
+      o->rdma_max_wr_bytes = Options::kSoftRoceMaxWrBytes;
+      o->rdma_max_slices = Options::kSoftRoceMaxSlices;
+    }
+  }
+}
+
+}  // namespace
+
 int Engine::initialize(const std::string& local_engine, const Options& opts) {
   try {
     std::lock_guard<std::mutex> g(mu_);
@@ -56,50 +132,10 @@ int Engine::initialize(const std::string& local_engine, const Options& opts) {
     if (!canon) return fail(kParamInvalid, "initialize: local_engine \"" + local_engine +
                                                "\" is not ip, ip:port or [ipv6]:port");
     std::string host = oob::split_host_port(local_engine).first;
-    if (opts.transport != "auto" && opts.transport != "rdma" && opts.transport != "shm" && opts.transport != "tcp")
-      return fail(kParamInvalid, "initialize: unknown transport \"" + opts.transport + "\"");
-    if (opts.traffic_class > 255 || opts.service_level > 15 || opts.gid_index > 255)
-      return fail(kParamInvalid, "initialize: traffic_class 0..255, service_level 0..15, gid_index 0..255");
-    if (opts.rdma_timeout == 0 || opts.rdma_timeout > 31 || opts.rdma_retry_count > 7)
-      return fail(kParamInvalid, "initialize: rdma_timeout=" + std::to_string(opts.rdma_timeout) +
-                                     " rdma_retry_count=" + std::to_string(opts.rdma_retry_count) +
-                                     ": need rdma_timeout 1..31 (0 would never retransmit), rdma_retry_count 0..7");
-    if (opts.rdma_qps_per_link == 0 || opts.rdma_qps_per_link > int(transport::RdmaPath::kMaxQps))
-      return fail(kParamInvalid, "initialize: rdma_qps_per_link=" + std::to_string(opts.rdma_qps_per_link) +
-                                     ": need 1.." + std::to_string(transport::RdmaPath::kMaxQps));
-    if (opts.rdma_max_wr_bytes != -1 &&
-        (opts.rdma_max_wr_bytes < Options::kMinMaxWrBytes || opts.rdma_max_wr_bytes > Options::kMaxMaxWrBytes))
-      return fail(kParamInvalid, "initialize: rdma_max_wr_bytes=" + std::to_string(opts.rdma_max_wr_bytes) +
-                                     ": need " + std::to_string(Options::kMinMaxWrBytes) + ".." +
-                                     std::to_string(Options::kMaxMaxWrBytes));
-    if (opts.rdma_send_window_bytes < -1 || opts.rdma_send_window_bytes > Options::kMaxSendWindowBytes)
-      return fail(kParamInvalid, "initialize: rdma_send_window_bytes=" + std::to_string(opts.rdma_send_window_bytes) +
-                                     ": need 0.." + std::to_string(Options::kMaxSendWindowBytes) + " (0: none)");
-    if (opts.async_timeout_ms < 0 || opts.heartbeat_ms < 0 || opts.heartbeat_ms > 3600000 ||
-        opts.heartbeat_misses < 1 || opts.heartbeat_misses > 1000)
-      return fail(kParamInvalid, "initialize: async_timeout_ms=" + std::to_string(opts.async_timeout_ms) +
-                                     " heartbeat_ms=" + std::to_string(opts.heartbeat_ms) + " heartbeat_misses=" +
-                                     std::to_string(opts.heartbeat_misses) +
-                                     ": need async_timeout_ms >= 0, heartbeat_ms 0..3600000, heartbeat_misses 1..1000");
-
+    if (int rc = check_options(opts); rc != kSuccess) return rc;
     std::shared_ptr<verbs::ProtectionDomain> pd;
-    std::string why_none = "not asked for (HixlTransport=" + opts.transport + ")";
-    const bool want_rdma = opts.transport == "auto" || opts.transport == "rdma";
-    if (want_rdma) try {
-      pd = verbs::ProtectionDomain::shared_for(opts.device);
-      auto pi = pd->context()->query_port(1);
-      if (pi.state != IBV_PORT_ACTIVE) {
-        why_none = "device " + pd->context()->name() + " port 1 is not ACTIVE";
-        pd.reset();
-      } else {
-        pd->context()->select_gid_index(1, opts.gid_index);  // validates HixlGidIndex / $HIXL_GID_INDEX now
-      }
-    } catch (const Error& e) {
-      why_none = e.what();
-      pd.reset();
-    }
-    if (!pd && (opts.transport == "rdma" || (want_rdma && !opts.device.empty())))
-      return fail(kFailed, "initialize: RDMA transport requested but unusable: " + why_none);
+    std::string why_none;
+    if (int rc = open_rdma(opts, &pd, &why_none); rc != kSuccess) return rc;
 
     oob::Socket listener;
     std::string name = *canon;
@@ -109,35 +145,11 @@ int Engine::initialize(const std::string& local_engine, const Options& opts) {
       name = *canonical(host.find(':') != std::string::npos ? "[" + host + "]:" + std::to_string(bound)
                                                             : host + ":" + std::to_string(bound));
     }
-    int wfd = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-    if (wfd < 0) throw_errno("eventfd", errno);
-    int afd = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-    if (afd < 0) {
-      ::close(wfd);
-      throw_errno("eventfd", errno);
-    }
-    try {
-      inbox_.open(name);
-    } catch (...) {
-      ::close(wfd);
-      ::close(afd);
-      throw;
-    }
+    int wfd = -1, afd = -1;
+    open_event_fds(name, &wfd, &afd);
 
     opts_ = opts;
-    // Soft-RoCE's defaults, unless told otherwise: 8 queue pairs per link, each with a 64 KiB send window
-    // where the link is striped, 16 KiB work requests that grow for big requests where it has no window
-    // (Options::kSoftRoce*, types.h). Elsewhere -1 keeps the endpoint's own defaults.
-    opts_.rdma_max_slices = 0;
-    if (pd && pd->context()->soft_roce()) {
-      if (opts_.rdma_qps_per_link < 0) opts_.rdma_qps_per_link = Options::kSoftRoceQpsPerLink;
-      if (opts_.rdma_send_window_bytes < 0 && opts_.rdma_qps_per_link > 1)
-        opts_.rdma_send_window_bytes = Options::kSoftRoceSendWindowBytes;
-      if (opts_.rdma_max_wr_bytes < 0) {
-        opts_.rdma_max_wr_bytes = Options::kSoftRoceMaxWrBytes;
-        opts_.rdma_max_slices = Options::kSoftRoceMaxSlices;
-      }
-    }
+    apply_device_defaults(&opts_, pd && pd->context()->soft_roce());
     pd_ = std::move(pd);
     registry_.set_pd(pd_);
     auto_transport_ = opts.transport == "auto";
@@ -151,14 +163,7 @@ int Engine::initialize(const std::string& local_engine, const Options& opts) {
     host_ = *canonical(host);
     wake_fd_ = wfd;
     accept_wake_fd_ = afd;
-    stop_ = false;
-    progress_ = std::thread([this] { progress_loop(); });
-    watchdog_ = std::thread([this] { watchdog_loop(); });
-    if (listener_.valid()) acceptor_ = std::thread([this] { accept_loop(); });
-    // The device's async events (a QP in error, the port down) end the affected links at once.
-    if (pd_) async_sub_ = pd_->context()->async_events().subscribe([this](const verbs::AsyncEvent& ev) {
-      on_async_event(ev);
-    });
+    start_threads();
     state_ = State::kReady;
     log::info("engine " + name_ + ": transports " + offers_string(offers_) +
               (pd_ ? " (rdma on " + pd_->context()->name() + ")" : " (no rdma: " + why_none + ")"));
@@ -166,6 +171,36 @@ int Engine::initialize(const std::string& local_engine, const Options& opts) {
   } catch (const std::exception& e) {
     return fail(kFailed, std::string("initialize(") + local_engine + "): " + e.what());
   }
+}
+
+void Engine::open_event_fds(const std::string& name, int* wfd_out, int* afd_out) {
+  int wfd = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (wfd < 0) throw_errno("eventfd", errno);
+  int afd = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (afd < 0) {
+    ::close(wfd);
+    throw_errno("eventfd", errno);
+  }
+  try {
+    inbox_.open(name);
+  } catch (...) {
+    ::close(wfd);
+    ::close(afd);
+    throw;
+  }
+  *wfd_out = wfd;
+  *afd_out = afd;
+}
+
+void Engine::start_threads() {
+  stop_ = false;
+  progress_ = std::thread([this] { progress_loop(); });
+  watchdog_ = std::thread([this] { watchdog_loop(); });
+  if (listener_.valid()) acceptor_ = std::thread([this] { accept_loop(); });
+  // The device's async events (a QP in error, the port down) end the affected links at once.
+  if (pd_) async_sub_ = pd_->context()->async_events().subscribe([this](const verbs::AsyncEvent& ev) {
+    on_async_event(ev);
+  });
 }
 
 void Engine::finalize() {

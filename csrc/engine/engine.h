@@ -168,12 +168,32 @@ class Engine {
   enum class State { kNew, kReady, kFinalized };
 
   bool ready() const;
+  // initialize()'s steps (engine.cc): the wake and accept-wake eventfds and the inbox's (nothing left
+  // open when it throws); then, with the state set, the threads and the device's async events.
+  void open_event_fds(const std::string& name, int* wfd, int* afd);
+  void start_threads();
   void spawn(std::function<void()> fn);  // throws hixl::Error once finalize() began
   void wake();                           // the progress thread re-reads the link table
 
   // connector.cc
   int connect_impl(const std::string& key, int timeout_ms);
   int connect_once(const std::string& key, int timeout_ms, uint32_t offers, std::string* shm_refusal);
+  // connect_once()'s handshake on s (under the Handshakes guard): auth, our Connect, the peer's
+  // Accept checked, the queue pairs connected (ep, and as many of `more` as the peer answered), the
+  // data path built, our READY sent. kSuccess; a refusal's status (fail()); kRetryWithoutShm when
+  // the same-host transport the peer chose is not usable from here (the server was told; the
+  // reason in *shm_refusal). Throws hixl::Error on a broken or timed-out exchange.
+  int connect_handshake(oob::Socket& s, Link& link, const std::shared_ptr<rdma::Endpoint>& ep,
+                        std::vector<std::shared_ptr<rdma::Endpoint>>& more, uint32_t offers, std::string* shm_refusal,
+                        std::chrono::steady_clock::time_point deadline, wire::Control* peer);
+  // Why the same-host transport to peer is not usable from here ("": it is).
+  std::string shm_unusable(const wire::Control& peer) const;
+  // Tells the server why this attempt ends (a Refuse) and waits for it to close the connection.
+  void end_for_retry_without_shm(oob::Socket& s, const std::string& why,
+                                 std::chrono::steady_clock::time_point deadline);
+  // The TCP link's two data connections, once the server published the link; throws.
+  void attach_tcp_data(Link& link, const std::string& host, uint16_t port,
+                       std::chrono::steady_clock::time_point deadline);
   int disconnect_impl(const std::string& key, int timeout_ms, const std::string& why);
   std::shared_ptr<rdma::Endpoint> make_endpoint() const;
   // A link's further queue pairs (HixlRdmaQpsPerLink - 1 of them, or fewer as the peer allows).
@@ -192,6 +212,22 @@ class Engine {
   void accept_loop();
   void accept_incoming();
   void serve_incoming(oob::Socket s);
+  // serve_incoming()'s steps. refuse_peer: logs the refusal, sends it (best effort) and lets the
+  // peer read it. read_connect: the auth exchange (when we have a token: authenticate_peer) and the
+  // peer's Connect into *c; false when the connection was answered here (refused, or a TCP data
+  // connection attached). choose_transport: the one both ends can use (kNone: none; *shm_why says
+  // why not the same-host one). incoming_link: the link with its queue pairs connected and its
+  // data path built; accept_and_publish: our Accept, the peer's READY, the link published (our
+  // claim on its name ended: *claimed false; the link it replaced in *old, retired) and our READY.
+  void refuse_peer(oob::Socket& s, const std::string& from, std::chrono::steady_clock::time_point deadline, int code,
+                   const std::string& why, bool warn = false, const std::string& detail = "");
+  bool read_connect(oob::Socket& s, const std::string& from, std::chrono::steady_clock::time_point deadline,
+                    wire::Control* c);
+  bool authenticate_peer(oob::Socket& s, const std::string& from, std::chrono::steady_clock::time_point deadline);
+  wire::Transport choose_transport(const wire::Control& c, std::string* shm_why) const;
+  std::shared_ptr<Link> incoming_link(const wire::Control& c, const std::string& key, wire::Transport chosen);
+  void accept_and_publish(const std::shared_ptr<Link>& link, oob::Socket& s, const wire::Control& c,
+                          std::chrono::steady_clock::time_point deadline, bool* claimed, std::shared_ptr<Link>* old);
   void serve_attach(oob::Socket s, const wire::Control& c);
 
   // transfers.cc

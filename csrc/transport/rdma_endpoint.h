@@ -246,6 +246,20 @@ class Endpoint {
   void queue_rest_locked(const Cursor& c);
   // What an error adds for a request that ended while part of it still waited for the send window.
   static std::string pending_note(const Cursor& c);
+  // submit()'s steps, defined inline in rdma_submit.cc so that the request path stays one function:
+  // plan_request checks the ranges (no lock), finds each descriptor's lkey (into lkeys) and returns
+  // how many work requests the request needs, *slice their size; open_request_locked puts a waiting
+  // request with its deadline in reqs_; then one of the two posts it: post_in_window_locked (a send
+  // window: what fits now, the rest kept for the pump) or post_with_backpressure_locked (all of it,
+  // waiting for send-queue room; TIMEOUT when the deadline passes first). Always inlined: as one
+  // function the compiler keeps the request in registers, and no call is added per request.
+  [[gnu::always_inline]] inline uint64_t plan_request(Op op, const std::vector<Desc>& descs, uint32_t* lkeys,
+                                                     uint64_t* slice) const;
+  [[gnu::always_inline]] inline std::pair<uint64_t, Req*> open_request_locked(Op op,
+                                                                               std::chrono::milliseconds timeout);
+  [[gnu::always_inline]] inline void post_in_window_locked(Cursor& c);
+  [[gnu::always_inline]] inline void post_with_backpressure_locked(std::unique_lock<util::Mutex>& lk, Cursor& c,
+                                                                   Req& req);
 
   EndpointOptions opts_;
   // Declaration order = reverse teardown order: PD (holding the context) first, QP last.

@@ -299,16 +299,8 @@ bool Endpoint::send_event() {
   return true;
 }
 
-uint64_t Endpoint::submit(Op op, const std::vector<Desc>& descs, uint32_t imm, milliseconds timeout) {
-  // Validate everything before posting anything. (No heap allocation on the small-request path:
-  // this runs once per transfer and shows up directly in the 8 B latency.)
-  uint32_t lkey_small[8];
-  std::vector<uint32_t> lkey_big;
-  uint32_t* lkeys = lkey_small;
-  if (descs.size() > 8) {
-    lkey_big.resize(descs.size());
-    lkeys = lkey_big.data();
-  }
+inline uint64_t Endpoint::plan_request(Op op, const std::vector<Desc>& descs, uint32_t* lkeys,
+                                       uint64_t* slice_out) const {
   uint64_t total = 0;  // work requests this request needs
   uint64_t bytes = 0;
   uint64_t slice = opts_.slice_bytes;
@@ -327,9 +319,11 @@ uint64_t Endpoint::submit(Op op, const std::vector<Desc>& descs, uint32_t imm, m
     total = 0;
     for (const Desc& d : descs) total += (d.length + slice - 1) / slice;
   }
-  const bool pure_flag = op == Op::kWriteImm && total == 0;  // zero-length write-with-imm
-  if (pure_flag) total = 1;
-  std::unique_lock<util::Mutex> lk(mu_);
+  *slice_out = slice;
+  return total;
+}
+
+inline std::pair<uint64_t, Endpoint::Req*> Endpoint::open_request_locked(Op op, milliseconds timeout) {
   check_usable_locked();
   auto [id, slot] = reqs_.emplace();  // stays valid while mu_ is dropped to wait for room (IdSlab's slots never move)
   if (!id)
@@ -339,6 +333,79 @@ uint64_t Endpoint::submit(Op op, const std::vector<Desc>& descs, uint32_t imm, m
   req.status = Status::kWaiting;
   req.deadline = deadline_after(timeout);
   req.error.clear();
+  return {id, slot};
+}
+
+inline void Endpoint::post_in_window_locked(Cursor& c) {
+  // Posts what the window holds now, behind what already waits for it, and keeps the rest for the pump.
+  std::string why;
+  if (pending_.empty()) {
+    while (c.next < c.total) {
+      const uint32_t n = room_locked();
+      if (!n) break;
+      if (int rc = post_chain_locked(c, n, &why)) {
+        reqs_.erase(c.id);
+        mark_dead_locked(why);
+        throw Error(why, rc);
+      }
+    }
+  }
+  if (c.next < c.total) queue_rest_locked(c);
+  else inflight_.emplace_back(next_seq_, c.id);
+}
+
+inline void Endpoint::post_with_backpressure_locked(std::unique_lock<util::Mutex>& lk, Cursor& c, Req& req) {
+  std::string why;
+  while (c.next < c.total) {
+    if (dead_ || closed_) break;  // failed or closed meanwhile (fail_all_locked freed the "room")
+    // Backpressure: wait until a whole chain fits, so doorbells stay batched under load.
+    const uint32_t want = uint32_t(std::min<uint64_t>(opts_.max_chain, c.total - c.next));
+    if (sq_depth_ - (next_seq_ - completed_seq_) < want) {
+      bool room;
+      try {
+        room = wait_for_room_locked(lk, want, req.deadline);
+      } catch (...) {
+        reqs_.erase(c.id);
+        throw;
+      }
+      if (!room) {  // what was posted stays in flight; the request is reported TIMEOUT
+        req.status = Status::kTimeout;
+        req.error = "request " + std::to_string(c.id) + " timed out waiting for send-queue room after posting " +
+                    std::to_string(c.next) + " of " + std::to_string(c.total) + " work requests";
+        return;
+      }
+      continue;
+    }
+    if (int rc = post_chain_locked(c, room_locked(), &why)) {
+      reqs_.erase(c.id);
+      mark_dead_locked(why);
+      throw Error(why, rc);
+    }
+  }
+  if (req.status == Status::kWaiting && (dead_ || closed_)) {
+    req.status = Status::kFailed;
+    req.error = dead_ ? dead_reason_ : "endpoint closed before the request was fully posted";
+  }
+  if (req.status == Status::kWaiting) inflight_.emplace_back(next_seq_, c.id);
+}
+
+uint64_t Endpoint::submit(Op op, const std::vector<Desc>& descs, uint32_t imm, milliseconds timeout) {
+  // Validate everything before posting anything. (No heap allocation on the small-request path:
+  // this runs once per transfer and shows up directly in the 8 B latency.)
+  uint32_t lkey_small[8];
+  std::vector<uint32_t> lkey_big;
+  uint32_t* lkeys = lkey_small;
+  if (descs.size() > 8) {
+    lkey_big.resize(descs.size());
+    lkeys = lkey_big.data();
+  }
+  uint64_t slice;
+  uint64_t total = plan_request(op, descs, lkeys, &slice);
+  const bool pure_flag = op == Op::kWriteImm && total == 0;  // zero-length write-with-imm
+  if (pure_flag) total = 1;
+  std::unique_lock<util::Mutex> lk(mu_);
+  auto [id, slot] = open_request_locked(op, timeout);
+  Req& req = *slot;
 
   if (total == 0) {
     req.status = Status::kCompleted;
@@ -356,55 +423,8 @@ uint64_t Endpoint::submit(Op op, const std::vector<Desc>& descs, uint32_t imm, m
   c.slice = slice;
   c.total = total;
   c.skip_empty();
-  std::string why;
-  if (opts_.window_bytes) {
-    // Posts what the window holds now, behind what already waits for it, and keeps the rest for the pump.
-    if (pending_.empty()) {
-      while (c.next < c.total) {
-        const uint32_t n = room_locked();
-        if (!n) break;
-        if (int rc = post_chain_locked(c, n, &why)) {
-          reqs_.erase(id);
-          mark_dead_locked(why);
-          throw Error(why, rc);
-        }
-      }
-    }
-    if (c.next < c.total) queue_rest_locked(c);
-    else inflight_.emplace_back(next_seq_, id);
-    return id;
-  }
-  while (c.next < c.total) {
-    if (dead_ || closed_) break;  // failed or closed meanwhile (fail_all_locked freed the "room")
-    // Backpressure: wait until a whole chain fits, so doorbells stay batched under load.
-    const uint32_t want = uint32_t(std::min<uint64_t>(opts_.max_chain, c.total - c.next));
-    if (sq_depth_ - (next_seq_ - completed_seq_) < want) {
-      bool room;
-      try {
-        room = wait_for_room_locked(lk, want, req.deadline);
-      } catch (...) {
-        reqs_.erase(id);
-        throw;
-      }
-      if (!room) {  // what was posted stays in flight; the request is reported TIMEOUT
-        req.status = Status::kTimeout;
-        req.error = "request " + std::to_string(id) + " timed out waiting for send-queue room after posting " +
-                    std::to_string(c.next) + " of " + std::to_string(c.total) + " work requests";
-        return id;
-      }
-      continue;
-    }
-    if (int rc = post_chain_locked(c, room_locked(), &why)) {
-      reqs_.erase(id);
-      mark_dead_locked(why);
-      throw Error(why, rc);
-    }
-  }
-  if (req.status == Status::kWaiting && (dead_ || closed_)) {
-    req.status = Status::kFailed;
-    req.error = dead_ ? dead_reason_ : "endpoint closed before the request was fully posted";
-  }
-  if (req.status == Status::kWaiting) inflight_.emplace_back(next_seq_, id);
+  if (opts_.window_bytes) post_in_window_locked(c);
+  else post_with_backpressure_locked(lk, c, req);
   return id;
 }
 
