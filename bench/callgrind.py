@@ -12,7 +12,7 @@ one descriptor per request, window 128 (perftest's tx depth), on an RDMA device 
   to run under callgrind: over 400 requests (CI's n1/n2 for our side) that noise even made the
   per-request count negative once; over 19,000 it is +-10 per request. Requests are cheap here
   (a few hundred instructions each), so the wide spread costs no time;
-* ``endpoint``: our C++ loop over one queue pair (``hixl._core.perf_write_stream``);
+* ``endpoint``: our C++ loop over one queue pair (``hixl_tools._perf.perf_write_stream``);
 * ``engine``: our C++ loop over the engine behind ``hixl.Hixl`` (``perf_engine_stream``);
 * ``python``: a Python loop over ``hixl.Hixl`` (``transfer_async`` + ``transfer_wait``).
 
@@ -52,7 +52,7 @@ def _side_main(role: str, path: str, transport: str) -> int:
     """A target or initiator, under callgrind; one command per stdin line, one JSON reply per line."""
     import numpy as np
     import hixl
-    from hixl import _core
+    from hixl_tools import _perf
     out = sys.stdout
 
     def reply(**kw):
@@ -98,9 +98,9 @@ def _side_main(role: str, path: str, transport: str) -> int:
             reply(done=True)
             continue
         if path == "endpoint":
-            _core.perf_write_stream(ep.raw, 1, addr, peer["addr"], peer["rkey"], SPAN, SIZE, 1, n, WINDOW, 0)
+            _perf.perf_write_stream(ep.raw, 1, addr, peer["addr"], peer["rkey"], SPAN, SIZE, 1, n, WINDOW, 0)
         elif path == "engine":
-            _core.perf_engine_stream(e._engine, peer["name"], 1, -1, addr, peer["addr"], SPAN, SIZE, 1, n, WINDOW,
+            _perf.perf_engine_stream(e._engine, peer["name"], 1, -1, addr, peer["addr"], SPAN, SIZE, 1, n, WINDOW,
                                      60000)
         else:
             inflight: List[int] = []

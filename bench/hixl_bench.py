@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""`hixl bench` from a checkout: the same as `python3 -m hixl.bench` (see bench/README.md)."""
+"""`hixl bench` from a checkout: the same as `python3 -m hixl_tools.bench` (see bench/README.md)."""
 import sys
 
-from hixl.bench import main
+from hixl_tools.bench import main
 
 if __name__ == "__main__":
     sys.exit(main())

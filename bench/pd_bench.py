@@ -2,7 +2,7 @@
 """Prefill/decode disaggregation with SmolLM2-135M-Instruct: how much of the KV transfer hides
 behind the prefill compute, and what it costs in time to first token.
 
-The pipeline of ``hixl demo`` (``hixl.demo.Cluster`` + ``hixl.demo.run_round``: a prefill worker
+The pipeline of ``hixl demo`` (``hixl_tools.demo.Cluster`` + ``hixl_tools.demo.run_round``: a prefill worker
 process and a decode worker process, each with its own hixl engine; the orchestrator is this
 process): a ``--prompt-tokens`` prompt (default 512) is prefilled layer by layer, each layer's K/V
 pushed right after it is computed (``--chunk-layers``), the decoder waits for the completion flag
@@ -33,7 +33,7 @@ import statistics
 import sys
 import time
 
-from hixl import demo
+from hixl_tools import demo
 from hixl.kv import KVLayout
 
 GOAL_OVERLAP = 0.90

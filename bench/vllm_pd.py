@@ -167,7 +167,7 @@ class Runner:
             time.sleep(0.05)
 
     def run_hixl(self, model: str) -> None:
-        from hixl.vllm.cluster import ProxyProcess, VllmInstance
+        from hixl_tools.vllm_launch import ProxyProcess, VllmInstance
 
         a = self.args
         ref = VllmInstance("mono", model, cores="0", log_dir=self.logs).start()
@@ -223,7 +223,7 @@ class Runner:
                 i.stop()
 
     def run_nixl(self, model: str) -> None:
-        from hixl.vllm.cluster import VllmInstance
+        from hixl_tools.vllm_launch import VllmInstance
 
         a = self.args
         try:

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 import hixl
-from hixl import _core
+from hixl_tools import _perf
 
 MiB = 1 << 20
 
@@ -111,7 +111,7 @@ class Pair:
 
         def responder():
             _pin_this_thread(1)
-            out["resp"] = _core.perf_write_pingpong(self.b.raw, self.mb.addr, self.ma.addr + size, self.ma.rkey,
+            out["resp"] = _perf.perf_write_pingpong(self.b.raw, self.mb.addr, self.ma.addr + size, self.ma.rkey,
                                                     size, iters, False, 60000)
 
         self.buf_a[:] = 0
@@ -119,7 +119,7 @@ class Pair:
         t = threading.Thread(target=responder)
         t.start()
         _pin_this_thread(0)
-        rtt = _core.perf_write_pingpong(self.a.raw, self.ma.addr, self.mb.addr + size, self.mb.rkey, size, iters,
+        rtt = _perf.perf_write_pingpong(self.a.raw, self.ma.addr, self.mb.addr + size, self.mb.rkey, size, iters,
                                         True, 60000)
         t.join()
         half_us = [x / 2000.0 for x in rtt[max(1, iters // 10):]]  # drop warm-up
@@ -128,7 +128,7 @@ class Pair:
     def bandwidth(self, size, iters, window, trials, descs_per_req=1, span=None):
         rates = []
         for _ in range(trials):
-            r = _core.perf_write_stream(self.a.raw, 1, self.ma.addr, self.mb.addr, self.mb.rkey,
+            r = _perf.perf_write_stream(self.a.raw, 1, self.ma.addr, self.mb.addr, self.mb.rkey,
                                         span or self.ma.length // 2, size, descs_per_req, iters, window)
             rates.append(r["bytes"] / (r["elapsed_ns"] / 1e9) / MiB)
         return {"avg_MiBps": statistics.median(rates), "p99_low_MiBps": pct(rates, 1)}
@@ -140,7 +140,7 @@ class Pair:
         for _ in range(iters):
             self.a.wait_ok(self.a.write(d, self.mb.rkey))
         py_us = (time.perf_counter_ns() - t0) / iters / 1000
-        r = _core.perf_write_stream(self.a.raw, 1, self.ma.addr, self.mb.addr, self.mb.rkey, 4096, 8, 1, iters, 1)
+        r = _perf.perf_write_stream(self.a.raw, 1, self.ma.addr, self.mb.addr, self.mb.rkey, 4096, 8, 1, iters, 1)
         cpp_us = r["elapsed_ns"] / iters / 1000
         return {"python_write_wait_us": py_us, "cpp_write_wait_us": cpp_us, "python_overhead_us": py_us - cpp_us}
 

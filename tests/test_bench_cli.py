@@ -1,4 +1,4 @@
-"""`hixl bench` (python -m hixl.bench): the report files, their columns and units, the ratio table,
+"""`hixl bench` (python -m hixl_tools.bench): the report files, their columns and units, the ratio table,
 argument errors (exit code 2), and a tiny rdma sweep against perftest (marked rdma: the rxe VM)."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from hixl import bench
+from hixl_tools import bench
 
 # Tiny and fast: two sizes, few iterations, short time budgets.
 TINY = ["--sizes", "8,4K", "--lat-iters", "20", "--bw-bytes", "256K", "--trials", "1", "--budget-s", "0.2",
@@ -24,7 +24,7 @@ UNIT_HEADERS = ["size[B]", "lat_med[us]", "lat_p99[us]", "bw_med[MiB/s]", "bw_mi
 
 def _bench(args, timeout=300):
     env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
-    return subprocess.run([sys.executable, "-m", "hixl.bench", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "hixl_tools.bench", *args], capture_output=True, text=True,
                           timeout=timeout, env=env)
 
 
@@ -148,13 +148,23 @@ def test_nixl_absent_is_a_note_not_a_failure(tmp_path, monkeypatch):
 
 
 def test_hixl_bench_subcommand(capsys):
-    """`hixl bench` (the console script) dispatches to hixl.bench with its own usage errors."""
+    """`hixl bench` (the console script) dispatches to hixl_tools.bench with its own usage errors."""
     from hixl.cli import main as hixl_main
     assert hixl_main(["bench", "--help"]) == 0
     assert "--vs" in capsys.readouterr().out
     assert hixl_main(["bench", "--op", "send"]) == 2
     assert "hixl bench: error:" in capsys.readouterr().err
 
+
+
+def test_hixl_tool_commands_without_hixl_tools(capsys, monkeypatch):
+    """Without hixl-tools' entry points, `hixl bench|demo|model` say how to install them and exit 2."""
+    import hixl.cli
+    monkeypatch.setattr(hixl.cli, "entry_points", lambda: {})
+    for cmd in ("bench", "demo", "model"):
+        assert hixl.cli.main([cmd, "--help"]) == 2
+        assert "hixl %s comes with hixl-tools" % cmd in capsys.readouterr().err
+    assert hixl.cli.main(["--help"]) == 0  # the rest of the command line is the library's
 
 @pytest.mark.parametrize("args, message", [
     (["--sizes", "0"], "out of range"),
@@ -218,7 +228,7 @@ def test_rdma_sweep_vs_perftest(tmp_path):
 def test_bench_server_runs_only_what_the_bench_needs():
     """The bench server (no authentication, like perftest) must not be a remote shell: only perftest's
     tools with their flags, MC_* settings for Mooncake, bounded buffers."""
-    from hixl.bench import server as srv
+    from hixl_tools.bench import server as srv
     ok = ["ib_write_bw", "-d", "rxe0", "-x", "1", "-s", "4096", "-n", "100", "-F", "-p", "18515", "-t", "128"]
     assert srv.checked_perftest_args(ok) == ok
     for bad in (["sh", "-c", "id"], ["ib_write_bw", "-p", "1", "--run_infinitely"], ["ib_write_bw", "-d", "x;id"],
@@ -240,8 +250,8 @@ def test_bench_server_runs_only_what_the_bench_needs():
 def test_bench_server_refuses_a_bad_command_over_the_wire(tmp_path):
     """Through the real JSON-lines protocol: an error reply, and the server keeps serving."""
     import subprocess as sp
-    from hixl.bench.server import Ctl
-    proc = sp.Popen([sys.executable, "-m", "hixl.bench", "--serve", "--once", "--listen", "127.0.0.1:0"],
+    from hixl_tools.bench.server import Ctl
+    proc = sp.Popen([sys.executable, "-m", "hixl_tools.bench", "--serve", "--once", "--listen", "127.0.0.1:0"],
                     stdout=sp.PIPE, stdin=sp.DEVNULL, text=True)
     try:
         port = json.loads(proc.stdout.readline())["port"]
@@ -298,16 +308,35 @@ def test_engine_stream_counts_every_request_and_orders_its_percentiles(iters, wi
     """The C++ stream behind the engine rows (shm): every request submitted and reaped through its
     ring of `window` slots (fewer when the stream is shorter), its bytes counted, and the latency
     summary (two selections, not a sort) gives 0 < p50 <= p99."""
-    from hixl import _core
-    from hixl.bench.descsweep import _Pair
+    from hixl_tools import _perf
+    from hixl_tools.bench.descsweep import _Pair
     p = _Pair("shm", 1 << 16)
     try:
         p.ini.transfer_sync(p.peer, p.h.WRITE, [p.h.TransferOpDesc(p.ia, p.ta, 8)])  # nothing left over
         p.ibuf[:] = 7
-        r = _core.perf_engine_stream(p.ini._engine, p.peer, 1, -1, p.ia, p.ta, 1 << 16, 64, 1, iters, window, 60000)
+        r = _perf.perf_engine_stream(p.ini._engine, p.peer, 1, -1, p.ia, p.ta, 1 << 16, 64, 1, iters, window, 60000)
         assert r["requests"] == iters and r["bytes"] == 64 * iters
         assert 0 < r["req_p50_ns"] <= r["req_p99_ns"]
         touched = min(iters * 64, 1 << 16)
         assert (p.tbuf[:touched] == 7).all()  # each slot's bytes landed: every request ran
+    finally:
+        p.close()
+
+
+def test_perf_loops_take_the_library_s_objects_and_raise_its_errors():
+    """hixl_tools._perf's loops are handed hixl._core's Engine (another extension module's type) and
+    raise hixl's HixlError; anything else is a TypeError."""
+    import hixl
+    from hixl_tools import _perf
+    from hixl_tools.bench.descsweep import _Pair
+    p = _Pair("shm", 1 << 16)
+    try:
+        with pytest.raises(hixl.HixlError, match="engine_stream: size, descs_per_req and window must be > 0"):
+            _perf.perf_engine_stream(p.ini._engine, p.peer, 1, -1, p.ia, p.ta, 1 << 16, 0, 1, 10, 4, 60000)
+        with pytest.raises(hixl.HixlError, match="perf: transfer_sync returned NOT_CONNECTED"):
+            _perf.perf_engine_latency(p.ini._engine, "127.0.0.1:1", 1, -1, p.ia, p.ta, 8, 1, 1, 1000)
+        with pytest.raises(TypeError):
+            _perf.perf_engine_stream(object(), p.peer, 1, -1, p.ia, p.ta, 1 << 16, 8)
+        assert len(_perf.perf_engine_latency(p.ini._engine, p.peer, 1, -1, p.ia, p.ta, 8, 1, 5, 60000)) == 5
     finally:
         p.close()

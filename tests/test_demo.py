@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("gguf", reason="needs the 'gguf' package (pip install gguf)")
 pytest.importorskip("tokenizers", reason="needs the 'tokenizers' package (pip install tokenizers)")
 
-from hixl.models import smollm2  # noqa: E402
+from hixl_tools.models import smollm2  # noqa: E402
 
 try:
     smollm2.gguf_path()
@@ -35,7 +35,7 @@ NEW = 6
 
 def run_demo(tmp_path, *args, timeout=120, env=None, rc=0):
     out = tmp_path / "demo.json"
-    p = subprocess.run([sys.executable, "-m", "hixl.demo", *args, "--json", str(out), "--no-progress"],
+    p = subprocess.run([sys.executable, "-m", "hixl_tools.demo", *args, "--json", str(out), "--no-progress"],
                        capture_output=True, text=True, timeout=timeout, cwd=tmp_path,
                        env=None if env is None else {**os.environ, **env})
     assert p.returncode == rc, f"exit {p.returncode}\n--- stdout\n{p.stdout}\n--- stderr\n{p.stderr}"

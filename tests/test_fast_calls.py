@@ -238,10 +238,10 @@ def test_a_call_kept_after_its_engine_was_dropped_fails_cleanly():
 
 @pytest.mark.parametrize("release_gil", [True, False])
 def test_the_benchmarks_no_op_floor_answers_zero_to_anything(release_gil):
-    """hixl bench --desc-sweep's floors (GIL released, or kept): calls of any form answer (0, 0)."""
-    from hixl import _core
-    f = _core.perf_fast_floor(release_gil=release_gil)
-    assert isinstance(f, _core.FastCall)
+    """hixl bench --desc-sweep's floors (GIL released, or kept; hixl_tools._perf): calls of any form answer (0, 0)."""
+    from hixl_tools import _perf
+    f = _perf.perf_fast_floor(release_gil=release_gil)
+    assert isinstance(f, _perf.FastCall)
     assert f() == (0, 0)
     assert f("peer", WRITE, [TransferOpDesc(1, 2, 8)]) == (0, 0)
     assert f(1, 60000) == (0, 0)
@@ -251,4 +251,4 @@ def test_the_benchmarks_no_op_floor_answers_zero_to_anything(release_gil):
     t.start()
     t.join(30)
     assert done == [0]
-    assert _core.perf_fast_floor() is not _core.perf_fast_floor()
+    assert _perf.perf_fast_floor() is not _perf.perf_fast_floor()

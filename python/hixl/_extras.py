@@ -1,10 +1,10 @@
 """Optional dependencies: which pip extra of hixl provides each, and a clear error when one is missing.
 
-The core (``hixl.Hixl``, ``hixl.kv``, ``hixl.acl``, ``hixl.Endpoint``) needs numpy only; the tools and
-integrations need more, declared as extras in pyproject.toml: ``demo`` (the SmolLM2 demo: gguf,
-tokenizers, rich), ``bench`` (rich, matplotlib), ``proxy`` (aiohttp), ``metrics`` (prometheus-client: ``/metrics``
-of ``HixlMetricsPort``; ``Hixl.metrics()`` needs nothing), ``vllm`` (the connector and model
-export), ``test`` (pytest and what tier 1 runs).
+The core (``hixl.Hixl``, ``hixl.kv``, ``hixl.acl``, ``hixl.Endpoint``) needs numpy only; the
+integrations need more, declared as extras in pyproject.toml: ``proxy`` (aiohttp), ``metrics``
+(prometheus-client: ``/metrics`` of ``HixlMetricsPort``; ``Hixl.metrics()`` needs nothing), ``vllm`` (the
+connector, and hixl-tools' model export), ``test`` (pytest and what tier 1 runs). The tools (``hixl bench``,
+``hixl demo``) are another distribution, hixl-tools (tools/pyproject.toml), with extras of their own.
 """
 from __future__ import annotations
 
@@ -13,8 +13,6 @@ from types import ModuleType
 
 # top-level import name -> the extra that installs it
 EXTRA_OF = {
-    "gguf": "demo", "tokenizers": "demo", "rich": "demo",
-    "matplotlib": "bench",
     "aiohttp": "proxy",
     "prometheus_client": "metrics",
     "vllm": "vllm", "torch": "vllm", "transformers": "vllm", "accelerate": "vllm", "safetensors": "vllm",

@@ -27,7 +27,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from hixl.vllm.cluster import ProxyProcess, VllmInstance, free_port, post_json, vllm_command  # noqa: E402
+from hixl_tools.vllm_launch import ProxyProcess, VllmInstance, free_port, post_json, vllm_command  # noqa: E402
 from tests.vllm_tier.conftest import log_marks  # noqa: E402
 
 MODEL = "smollm2"

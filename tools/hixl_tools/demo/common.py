@@ -92,7 +92,7 @@ def layer_ranges(n_layers: int, parts: int) -> List[Tuple[int, int]]:
 
 
 def transfer_metrics(t_start: float, t_compute_end: float, intervals) -> Dict[str, float]:
-    from ..kv import union_seconds
+    from hixl.kv import union_seconds
     busy = union_seconds(intervals)
     exposed = union_seconds(intervals, after=t_compute_end)
     return {"busy_ms": busy * 1e3, "exposed_ms": exposed * 1e3,

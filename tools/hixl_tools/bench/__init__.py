@@ -3,7 +3,7 @@ and transport; compare with perftest, Mooncake and NIXL measured in the same run
 
 Two processes, as in production: this one (the initiator) and a bench server holding the targets
 (a hixl engine, an RDMA endpoint, perftest's and Mooncake's server halves). Locally the server is a
-child process (``python -m hixl.bench --serve``); across two hosts start it on the other host
+child process (``python -m hixl_tools.bench --serve``); across two hosts start it on the other host
 (``hixl bench --serve --listen 0.0.0.0:18600``) and pass ``--server-ip``. With ``--pin`` (default on
 >= 2 CPUs) the initiator runs on the first half of the CPUs and the server on the second half, and
 every peer's halves inherit the same split.
@@ -33,7 +33,7 @@ arguments or an unusable environment (e.g. --transport rdma without an active de
 # The package: options.py (what can be swept, the settings of a run), sides.py (our paths: endpoint,
 # engine, python), driver.py (a run: server, rows, peers, report; main), server.py (the target side and
 # its control protocol), peers.py (perftest, Mooncake, NIXL), report.py (tables, JSON, plots, goals).
-# Imported lazily (PEP 562), so that ``python -m hixl.bench.peers`` (the reference peers' child
+# Imported lazily (PEP 562), so that ``python -m hixl_tools.bench.peers`` (the reference peers' child
 # processes) does not import itself through the package first.
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The two halves of ``hixl bench`` that talk to each other: the bench server (the target side:
 a hixl engine, an RDMA endpoint, perftest's and Mooncake's server halves) and its JSON-lines client.
 
-Locally the server is a child process of the bench (``python -m hixl.bench --serve --once``); across
+Locally the server is a child process of the bench (``python -m hixl_tools.bench --serve --once``); across
 two hosts it is started by hand on the target host (``hixl bench --serve``). One command per line,
 one JSON answer per line; ``{"error": ...}`` on failure. Long jobs (accepting a queue pair, the
 responder half of a ping-pong) run in a background thread that ``join`` waits for.
@@ -249,7 +249,7 @@ class Server:
         return {"ok": True}
 
     def do_endpoint_target(self, bytes: int) -> Dict[str, Any]:  # noqa: A002
-        from ..endpoint import Endpoint
+        from hixl.endpoint import Endpoint
         ep = Endpoint(self.a.device, gid_index=self.a.gid_index)
         buf = np.zeros(checked_bytes(bytes), np.uint8)
         mr = ep.register(buf)
@@ -262,19 +262,19 @@ class Server:
 
     def do_pingpong(self, id: int, size: int, iters: int, peer_addr: int, peer_rkey: int,  # noqa: A002
                     timeout_ms: int = 60000) -> Dict[str, Any]:
-        from .. import _core
+        from .. import _perf
         o = self.objs[id]
         if not isinstance(size, int) or not 1 <= size <= len(o["buf"]) // 2:  # send half + inbox half
             raise ValueError("pingpong: size must be in 1..%d (half the target buffer), got %r"
                              % (len(o["buf"]) // 2, size))
         o["buf"][:2 * size] = 0
-        self._run_bg(id, lambda: _core.perf_write_pingpong(o["ep"].raw, o["mr"].addr, peer_addr + size, peer_rkey,
+        self._run_bg(id, lambda: _perf.perf_write_pingpong(o["ep"].raw, o["mr"].addr, peer_addr + size, peer_rkey,
                                                            size, iters, False, timeout_ms))
         return {"ok": True}
 
     def do_drain_imm(self, id: int, on: bool) -> Dict[str, Any]:  # noqa: A002
         """on: consume the client's immediates until told to stop (replenishes receives)."""
-        from .. import _core
+        from .. import _perf
         o = self.objs[id]
         if on:
             o["stop"] = stop = threading.Event()
@@ -282,7 +282,7 @@ class Server:
 
             def drain() -> None:
                 while not stop.is_set():
-                    count["n"] += _core.perf_drain_imm(o["ep"].raw, 1 << 62, 50)
+                    count["n"] += _perf.perf_drain_imm(o["ep"].raw, 1 << 62, 50)
             t = threading.Thread(target=drain, daemon=True)
             o["drain"], o["drained"] = t, count
             t.start()
@@ -308,7 +308,7 @@ class Server:
             raise RuntimeError("initialize: " + e.last_error())
         keep: Any = None
         if mem == "acl":
-            from .. import acl
+            from hixl import acl
             rc, addr = acl.aclrtMalloc(bytes, acl.ACL_MEM_MALLOC_NORMAL_ONLY)
             if rc != acl.ACL_SUCCESS:
                 raise RuntimeError("aclrtMalloc(%d): %d" % (bytes, rc))

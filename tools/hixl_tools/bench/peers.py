@@ -3,7 +3,7 @@
 Each peer is measured on the same sizes, in the same run, under the same CPU pinning as hixl:
 
 * perftest (``ib_write_bw`` / ``ib_write_lat`` / ``ib_read_bw`` / ``ib_read_lat``, rdma only): the
-  server half is started by the bench server (``hixl.bench``), the client half here.
+  server half is started by the bench server (``hixl_tools.bench``), the client half here.
   ``*_lat``: ``t_typical`` (perftest's median) and its 99th percentile; ``ib_write_lat`` reports half
   a round trip of a write ping-pong, ``ib_read_lat`` the time of one read. ``*_bw``: ``BW average``
   (perftest's "MB/sec" is MiB/s, 2^20 B/s).
@@ -19,7 +19,7 @@ Each peer is measured on the same sizes, in the same run, under the same CPU pin
 Every loop is bounded by a time budget as well as an iteration count (a slow peer under QEMU TCG
 must not stall the sweep): the iterations actually run are reported.
 
-``python -m hixl.bench.peers mooncake-target|mooncake-initiator|nixl ...`` are the child processes;
+``python -m hixl_tools.bench.peers mooncake-target|mooncake-initiator|nixl ...`` are the child processes;
 they speak one JSON object per line on stdout.
 """
 from __future__ import annotations
@@ -385,7 +385,7 @@ def read_json_lines(proc: subprocess.Popen, timeout_s: float, on_row: Optional[C
 def spawn(args: List[str], env: Optional[Dict[str, str]] = None) -> subprocess.Popen:
     e = dict(os.environ)
     e.update(env or {})
-    return subprocess.Popen([sys.executable, "-m", "hixl.bench.peers", *args], stdin=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "hixl_tools.bench.peers", *args], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e)
 
 
@@ -405,7 +405,7 @@ def stop(proc: Optional[subprocess.Popen], timeout_s: float = 10.0) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m hixl.bench.peers", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m hixl_tools.bench.peers", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("mooncake-target")
     i = sub.add_parser("mooncake-initiator")

@@ -78,7 +78,7 @@ class Cluster:
         self.decoders = [self.workers[f"decode{i}"] for i in range(decoders)]
 
     def _spawn(self, name, role, extra):
-        argv = [sys.executable, "-m", "hixl.demo", "--role", role, "--name", name] + extra
+        argv = [sys.executable, "-m", "hixl_tools.demo", "--role", role, "--name", name] + extra
         env = dict(os.environ)
         if self.threads.get(role):
             for k in BLAS_ENV:

@@ -1,4 +1,5 @@
-// Bindings for the C++ measurement loops used by bench/ and hixl.bench (GIL released for their whole run).
+// hixl_tools._perf: bindings for the C++ measurement loops of bench/ and hixl_tools.bench (GIL released for
+// their whole run). They take hixl._core's Endpoint and Engine objects (perf_module.cc says why that is sound).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 

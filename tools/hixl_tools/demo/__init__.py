@@ -1,6 +1,6 @@
 """Disaggregated prefill/decode (PD) with a real model: SmolLM2-135M-Instruct, all on this host.
 
-``hixl demo`` (or ``python -m hixl.demo``) starts prefill and decode *worker processes*. Each has its
+``hixl demo`` (or ``python -m hixl_tools.demo``) starts prefill and decode *worker processes*. Each has its
 own :class:`hixl.Hixl` engine (listening on 127.0.0.1, transport ``--transport``) and its own copy
 of the model (the weights are a shared mmap cache). This process, the orchestrator, routes a request
 the way a PD router would:

@@ -194,7 +194,7 @@ class Settings:
 
 
 def active_rdma() -> bool:
-    from ..endpoint import has_active_device
+    from hixl.endpoint import has_active_device
     return has_active_device()
 
 
@@ -205,7 +205,7 @@ def resolve(a: argparse.Namespace) -> Settings:
         transports = (["rdma"] if active_rdma() else []) + ["shm", "tcp"]
     if "rdma" in transports and not a.server_ip and not active_rdma():
         raise UsageError("--transport rdma: no RDMA device with an ACTIVE port here (see `hixl devices`); "
-                         "run it inside the rxe VM: bash ci/rxe-vm.sh python3 -m hixl.bench --transport rdma ...")
+                         "run it inside the rxe VM: bash ci/rxe-vm.sh python3 -m hixl_tools.bench --transport rdma ...")
     ops = parse_choice(a.op, "--op", OPS, OP_ALIASES)
     sizes = parse_sizes(a.sizes or (QUICK_SIZES if a.quick else FULL_SIZES))
     descs = parse_ints(a.descs or "1", "--descs", 1, 4096)

@@ -32,7 +32,7 @@ def cpu_split(pin: bool) -> Tuple[Optional[set], Optional[set]]:
 
 def start_local_server(s: Settings, cpus: Optional[set]) -> Tuple[subprocess.Popen, int]:
     a = s.args
-    cmd = [sys.executable, "-m", "hixl.bench", "--serve", "--once", "--listen", "127.0.0.1:0"]
+    cmd = [sys.executable, "-m", "hixl_tools.bench", "--serve", "--once", "--listen", "127.0.0.1:0"]
     if a.device:
         cmd += ["--device", a.device]
     if a.gid_index is not None:
@@ -338,7 +338,7 @@ def _run(s: Settings, t_start: float, mine: Optional[set], theirs: Optional[set]
                 finally:
                     side.close()
         if "rdma" in s.transports and dev[0] == "":
-            from ..endpoint import Endpoint
+            from hixl.endpoint import Endpoint
             with Endpoint(a.device, gid_index=a.gid_index) as ep:
                 info = ep.info()
                 dev = (info["device"], info["gid_index"])

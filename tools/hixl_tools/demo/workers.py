@@ -43,7 +43,7 @@ def _fault(name: str, cmd: str) -> None:
 
 def _run_layers(model, cache, h, pos: int, lo: int, hi: int):
     """Layers ``lo..hi`` of one decode step for the token whose hidden state is ``h`` at ``pos``:
-    exactly the loop body of :func:`hixl.models.smollm2.decode_step` (same calls, same arrays), so a
+    exactly the loop body of :func:`hixl_tools.models.smollm2.decode_step` (same calls, same arrays), so a
     pipeline over layer shards gives the same bits as decode_step over all layers."""
     for i in range(lo, hi):
         L = model.layers[i]
@@ -57,7 +57,7 @@ def _run_layers(model, cache, h, pos: int, lo: int, hi: int):
 
 class _Prefill:
     def __init__(self, args, engine, model, layout, out):
-        from ..kv import KVSender
+        from hixl.kv import KVSender
         self.args, self.engine, self.model, self.layout, self.out = args, engine, model, layout, out
         self.kv = KVSender(engine, layout, args.num_blocks, max_requests=args.max_requests,
                            timeout=args.timeout)
@@ -120,7 +120,7 @@ class _Prefill:
 
 class _Decode:
     def __init__(self, args, engine, model, layout, out):
-        from ..kv import KVReceiver
+        from hixl.kv import KVReceiver
         self.args, self.engine, self.model, self.layout, self.out = args, engine, model, layout, out
         self.kv = KVReceiver(engine, layout, args.num_blocks, max_requests=args.max_requests)
         self.reqs: Dict[str, Dict[str, Any]] = {}
@@ -136,7 +136,7 @@ class _Decode:
         self.out("grant", rid=m["rid"], grant=g.to_dict())
 
     def _arrived(self, pending, seen, mode, deadline):
-        from ..kv import KVTimeout
+        from hixl.kv import KVTimeout
         kv = self.kv
         if mode == "block":
             rid = pending[0]
@@ -240,7 +240,7 @@ def run_worker(args) -> int:
     try:
         _fault(name, "start")
         import hixl
-        from ..kv import KVLayout
+        from hixl.kv import KVLayout
         t0 = time.monotonic()
         engine = hixl.Hixl()
         rc = engine.initialize("127.0.0.1:0", {"HixlTransport": args.transport})

@@ -177,7 +177,7 @@ def main(argv=None) -> int:
     except (FileNotFoundError, ImportError) as e:
         print(f"hixl demo: cannot load SmolLM2-135M-Instruct: {e}", file=sys.stderr)
         return EXIT_ERROR
-    from ..kv import KVLayout
+    from hixl.kv import KVLayout
     layout = KVLayout.for_model(model.config, "float32", args.block_tokens)
     if args.shard and args.decoders > layout.n_layers:
         ap.error(f"--shard: at most {layout.n_layers} decoders (one layer each)")

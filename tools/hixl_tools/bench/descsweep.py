@@ -18,8 +18,8 @@ p99 in us, descriptors per second (10^6) through submit and in total. A single-d
 compares a Python loop (``transfer_async`` + ``transfer_wait``, window 128, 8 B) with the C++ engine
 loop in the same process, and three more loops of the same shape: over the engine's pybind11
 methods (no Python layer), over pybind11 bindings of the same signatures that do nothing, and over
-C calls of ``hixl.Hixl``'s kind (``_core.fast_call``) that do nothing (the interpreter's and the
-calls' cost per request: with the C++ loop's, the ceiling of a Python loop over such calls). Goals (printed, and in the JSON; never an exit code): prepped submit
+C calls of ``hixl.Hixl``'s kind (``_core.fast_call``'s, from ``_perf.perf_fast_floor``) that do nothing (the
+interpreter's and the calls' cost per request: with the C++ loop's, the ceiling of a Python loop over such calls). Goals (printed, and in the JSON; never an exit code): prepped submit
 >= 5 M descriptors/s for 64 B descriptors; a 100,000-descriptor prepped transfer's submit <= 20 ms;
 the Python single-request loop >= 0.8x the C++ loop.
 """
@@ -147,13 +147,13 @@ def sweep_transport(transport: str, counts: List[int], sizes: List[int], repeats
 
 def single_request(transport: str, iters: int = 20000, window: int = 128) -> Dict[str, Any]:
     """8 B, 1 descriptor per request, `window` outstanding: the C++ engine loop and a Python loop."""
-    from .. import _core
+    from .. import _perf
     p = _Pair(transport, 1 << 20)
     h = p.h
     try:
         cpp = []
         for _ in range(3):
-            r = _core.perf_engine_stream(p.ini._engine, p.peer, 1, -1, p.ia, p.ta, 1 << 20, 8, 1, iters, window, 60000)
+            r = _perf.perf_engine_stream(p.ini._engine, p.peer, 1, -1, p.ia, p.ta, 1 << 20, 8, 1, iters, window, 60000)
             cpp.append(r["requests"] / (r["elapsed_ns"] / 1e9) / 1e6)
         descs = [[h.TransferOpDesc(p.ia + 8 * k, p.ta + 8 * k, 8)] for k in range(64)]
         e, peer, WRITE = p.ini, p.peer, h.WRITE
@@ -162,7 +162,7 @@ def single_request(transport: str, iters: int = 20000, window: int = 128) -> Dic
 
         slots = [(ia + 8 * k, ta + 8 * k) for k in range(64)]
         completed, COMPLETED, SUCCESS = int(h.TransferStatus.COMPLETED), h.TransferStatus.COMPLETED, h.SUCCESS
-        floor_async, floor_wait = _core.perf_call_floor_async, _core.perf_call_floor_wait
+        floor_async, floor_wait = _perf.perf_call_floor_async, _perf.perf_call_floor_wait
         mask = window - 1  # a ring of the requests in flight (window: a power of two)
 
         # Three loops of one shape, each written out (a Python function per call would add its own cost),
@@ -221,9 +221,9 @@ def single_request(transport: str, iters: int = 20000, window: int = 128) -> Dic
                     tw(reqs[j], 60000)
             return run
 
-        c_floor = over_c_floor(_core.perf_fast_floor())  # GIL released, as the engine's calls
+        c_floor = over_c_floor(_perf.perf_fast_floor())  # GIL released, as the engine's calls
         # the GIL kept: what the GIL's two handovers per request cost
-        c_floor_gil = over_c_floor(_core.perf_fast_floor(release_gil=False))
+        c_floor_gil = over_c_floor(_perf.perf_fast_floor(release_gil=False))
 
         loops = {"python": hixl_api, "binding": binding, "floor": floor, "c_floor": c_floor,
                  "c_floor_gil": c_floor_gil}
@@ -255,7 +255,7 @@ def _nixl_rows(counts: List[int], sizes: List[int], repeats: int, budget_s: floa
     why = nixl_unavailable()
     if why:
         return [{"skipped": why}]
-    cmd = [sys.executable, "-m", "hixl.bench.descsweep", json.dumps({"counts": counts, "sizes": sizes,
+    cmd = [sys.executable, "-m", "hixl_tools.bench.descsweep", json.dumps({"counts": counts, "sizes": sizes,
                                                                       "repeats": repeats, "budget_s": budget_s})]
     env = dict(__import__("os").environ, UCX_TLS="tcp,self")
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)

@@ -69,9 +69,9 @@ class EndpointSide(Side):
     path = "endpoint"
 
     def __init__(self, ctl: Ctl, s: Settings):
-        from ..endpoint import Endpoint
-        from .. import _core
-        self._core = _core
+        from hixl.endpoint import Endpoint
+        from .. import _perf
+        self._perf = _perf
         self.ctl, self.span = ctl, s.span
         self.ep = Endpoint(s.args.device, gid_index=s.args.gid_index)
         self.buf = np.zeros(self.span, np.uint8)
@@ -98,7 +98,7 @@ class EndpointSide(Side):
         self.buf[:2 * size] = 0
         self.ctl.call("pingpong", id=self.tid, size=size, iters=iters, peer_addr=self.mr.addr, peer_rkey=self.mr.rkey)
         try:
-            rtt = self._core.perf_write_pingpong(self.ep.raw, self.mr.addr, self.raddr + size, self.rkey, size,
+            rtt = self._perf.perf_write_pingpong(self.ep.raw, self.mr.addr, self.raddr + size, self.rkey, size,
                                                  iters, True, 60000)
         finally:
             self.ctl.call("join", id=self.tid)
@@ -106,11 +106,11 @@ class EndpointSide(Side):
 
     def latency(self, op: str, size: int, descs: int, iters: int) -> List[int]:
         n = min(descs, self.span // size)  # descriptors side by side (latency needs no cycling)
-        return self._core.perf_op_latency(self.ep.raw, _rdma_op(op), self.mr.addr, self.raddr, self.rkey, size, n,
+        return self._perf.perf_op_latency(self.ep.raw, _rdma_op(op), self.mr.addr, self.raddr, self.rkey, size, n,
                                           iters, 60000)
 
     def stream(self, op: str, size: int, descs: int, iters: int, window: int, span: int, off: int = 0) -> Dict[str, int]:
-        return self._core.perf_write_stream(self.ep.raw, _rdma_op(op), self.mr.addr + off, self.raddr + off,
+        return self._perf.perf_write_stream(self.ep.raw, _rdma_op(op), self.mr.addr + off, self.raddr + off,
                                             self.rkey, span, size, descs, iters, window)
 
     def close(self) -> None:
@@ -127,8 +127,8 @@ class EngineSide(Side):
 
     def __init__(self, ctl: Ctl, s: Settings, transport: str, local_ip: str):
         import hixl
-        from .. import _core
-        self.hixl, self._core = hixl, _core
+        from .. import _perf
+        self.hixl, self._perf = hixl, _perf
         self.ctl, self.span = ctl, s.span
         self.e = hixl.Hixl()
         qps = getattr(s.args, "qps", 1)
@@ -169,12 +169,12 @@ class EngineSide(Side):
     def latency(self, op: str, size: int, descs: int, iters: int) -> List[int]:
         o, flag = self._op_flag(op)
         n = min(descs, self.span // size)
-        return self._core.perf_engine_latency(self.e._engine, self.remote, o, flag, self.addr, self.raddr, size, n,
+        return self._perf.perf_engine_latency(self.e._engine, self.remote, o, flag, self.addr, self.raddr, size, n,
                                               iters, 60000)
 
     def stream(self, op: str, size: int, descs: int, iters: int, window: int, span: int, off: int = 0) -> Dict[str, int]:
         o, flag = self._op_flag(op)
-        return self._core.perf_engine_stream(self.e._engine, self.remote, o, flag, self.addr + off,
+        return self._perf.perf_engine_stream(self.e._engine, self.remote, o, flag, self.addr + off,
                                              self.raddr + off, span, size, descs, iters, window, 60000)
 
     def close(self) -> None:

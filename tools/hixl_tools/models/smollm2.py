@@ -711,7 +711,7 @@ def _build_cache(path: str, cache_dir: str) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------
-# command line: python -m hixl.models.smollm2 "question"
+# command line: python -m hixl_tools.models.smollm2 "question"
 # ----------------------------------------------------------------------------------------------
 
 def _main(argv: Optional[Sequence[str]] = None) -> int:

@@ -1,6 +1,0 @@
-"""``python -m hixl.bench``: the same as ``hixl bench``."""
-import sys
-
-from .driver import main
-
-sys.exit(main())

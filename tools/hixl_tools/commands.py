@@ -1,0 +1,25 @@
+"""The ``hixl`` console script's tool commands, registered as entry points (group ``hixl.commands`` in
+tools/pyproject.toml): ``hixl bench``, ``hixl demo``, ``hixl model export``. Each takes the arguments after
+its name and returns the exit code; the tool is imported only when its command runs."""
+from __future__ import annotations
+
+import sys
+from typing import List
+
+
+def bench(argv: List[str]) -> int:
+    from .bench import main
+    return main(argv)
+
+
+def demo(argv: List[str]) -> int:
+    from .demo import main
+    return main(argv)
+
+
+def model(argv: List[str]) -> int:
+    if argv[:1] != ["export"]:
+        print("usage: hixl model export DIR [--gguf FILE] [--force]", file=sys.stderr)
+        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
+    from .models.export import main
+    return main(argv[1:])
