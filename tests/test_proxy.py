@@ -1,6 +1,8 @@
 """hixl proxy against stand-ins for vLLM instances (aiohttp servers that answer like a HixlConnector
 prefill or decode instance and record what they got): the push and pull flows, round robin, instances
-that are down or fail, streaming, /health. vLLM itself behind the proxy: tests/vllm_tier/test_pd_e2e.py."""
+that are down or fail, streaming, /health; malformed bodies and answers, a decoder that breaks off its
+stream (read as raw bytes), discovery that outlives what it is told. vLLM itself behind the proxy:
+tests/vllm_tier/test_pd_e2e.py."""
 from __future__ import annotations
 
 import asyncio
@@ -9,6 +11,7 @@ import socket
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 
 import pytest
@@ -58,8 +61,13 @@ class Loop:
 class Fake:
     """A prefill or decode instance as the proxy sees it."""
 
-    def __init__(self, role, engine="10.0.0.1:7000", mode="push", fail=None, delay=0.0):
+    def __init__(self, role, engine="10.0.0.1:7000", mode="push", fail=None, delay=0.0, answer=None,
+                 break_after=None):
         self.role, self.engine, self.mode, self.fail, self.delay = role, engine, mode, fail, delay
+        self.answer = answer            # a prefill's answer to a request: kv_transfer_params -> raw bytes
+        self.break_after = break_after  # a decoder that closes its connection after this many events
+        self.models_answers, self.discover_answers = [], []  # raw answers given first, one per ask
+        self.outage = False             # every connection closed without an answer
         self.got, self.aborted = [], 0
         self.app = web.Application()
         for path in ("/v1/completions", "/v1/chat/completions"):
@@ -67,16 +75,34 @@ class Fake:
         self.app.router.add_get("/health", self.health)
         self.app.router.add_get("/v1/models", self.models)
 
+    @staticmethod
+    def _raw(answer):
+        status, raw = answer if isinstance(answer, tuple) else (200, answer)
+        return web.Response(body=raw, status=status, content_type="application/json")
+
+    @staticmethod
+    def _drop(request):
+        request.transport.close()
+        return web.Response(text="never sent")
+
     async def health(self, request):
-        return web.Response(text="ok")
+        return self._drop(request) if self.outage else web.Response(text="ok")
 
     async def models(self, request):
+        if self.outage:
+            return self._drop(request)
+        if self.models_answers:
+            return self._raw(self.models_answers.pop(0))
         return web.json_response({"data": [{"id": "m"}]})
 
     async def complete(self, request):
+        if self.outage:
+            return self._drop(request)
         body = await request.json()
         ktp = body.get("kv_transfer_params") or {}
         if ktp.get("hixl_discover"):
+            if self.discover_answers:
+                return self._raw(self.discover_answers.pop(0))
             return web.json_response({"choices": [{"text": "."}],
                                       "kv_transfer_params": {"remote_engine": self.engine, "mode": self.mode}})
         self.got.append(body)
@@ -87,11 +113,15 @@ class Fake:
             raise
         if self.fail:
             return web.json_response({"error": {"message": self.fail}}, status=500)
+        if self.role == "prefill" and self.answer is not None:
+            return self._raw(self.answer(ktp))
         if self.role == "prefill":
             return web.json_response({"choices": [{"text": "P"}], "kv_transfer_params": {
                 "do_remote_prefill": True, "transfer_id": ktp["transfer_id"], "remote_engine": self.engine,
                 "mode": self.mode, "remote_blocks": [1, 2]}})
         text = "decoded " + str(body.get("prompt") or body.get("messages"))
+        if self.break_after is not None:
+            return await self._break_off(request, text, body.get("stream"))
         if not body.get("stream"):
             return web.json_response({"choices": [{"text": text}]})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -99,6 +129,21 @@ class Fake:
         for word in text.split():
             await resp.write(f"data: {json.dumps({'choices': [{'text': word + ' '}]})}\n\n".encode())
         await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def _break_off(self, request, text, stream):
+        """break_after whole SSE events (or a JSON body's start), then half of one, then the connection
+        closed: the chunked body never ends."""
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream" if stream else "application/json"})
+        await resp.prepare(request)
+        if stream:
+            for word in text.split()[:self.break_after]:
+                await resp.write(f"data: {json.dumps({'choices': [{'text': word + ' '}]})}\n\n".encode())
+            await resp.write(b'data: {"choices": [{"te')
+        else:
+            await resp.write(b'{"choices": [{"text": "' + text.encode())
+        await asyncio.sleep(0.1)  # the proxy has them before the connection goes
+        request.transport.close()
         return resp
 
 
@@ -255,3 +300,189 @@ def test_bad_requests_are_refused_before_any_instance_is_asked(env):
         Proxy([], ["http://x:1"])
     with pytest.raises(ValueError):
         Proxy(["http://x:1"], ["http://y:1"], mode="sideways")
+
+
+def post_raw(url, raw, timeout=30):
+    req = urllib.request.Request(url, raw, {"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        with e:
+            return e.code, e.read().decode()
+
+
+def _nested(depth):
+    return "[" * depth + "]" * depth
+
+
+@pytest.mark.parametrize("raw, says", [
+    (b"[" * 200_000, "nests more than 128 levels"),
+    (('{"model": "m", "prompt": %s}' % _nested(300)).encode(), "nests more than 128 levels"),
+    (b"{not json", "is not JSON"),
+    (b'{"prompt": "\xff"}', "is not JSON"),
+    (b"[1, 2]", "is a JSON array, not an object"),
+    (b'"x"', "is a JSON string, not an object"),
+    (b'{"model": "m", "prompt": "x", "n": "2"}', "'n' must be an integer, not a JSON string"),
+    (b'{"model": "m", "prompt": "x", "best_of": [1]}', "'best_of' must be an integer, not a JSON array"),
+    (b'{"model": "m", "prompt": "x", "n": true}', "'n' must be an integer, not a JSON boolean"),
+], ids=["200000-open-brackets", "300-deep-prompt", "not-json", "not-utf8", "array", "string", "n-string",
+        "best_of-array", "n-boolean"])
+def test_a_malformed_request_body_gets_a_400_with_an_openai_error(env, raw, says):
+    loop, proxy = env
+    p, d = Fake("prefill"), Fake("decode")
+    px, url = proxy([loop.serve(p.app)], [loop.serve(d.app)])
+    status, text = post_raw(url + "/v1/completions", raw, timeout=10)
+    assert status == 400, text
+    err = json.loads(text)["error"]
+    assert err["type"] == "invalid_request_error" and err["code"] == 400 and says in err["message"], err
+    assert p.got == [] and d.got == []
+    assert post(url + "/v1/completions", {"model": "m", "prompt": "x"}, timeout=10)[0] == 200  # it goes on
+
+
+def _params(**kw):
+    return lambda ktp: json.dumps({"choices": [{"text": "P"}], "kv_transfer_params": {
+        "transfer_id": ktp["transfer_id"], **kw}}).encode()
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+@pytest.mark.parametrize("answer, says", [
+    (lambda ktp: b"[1, 2]", "is a JSON array, not an object"),
+    (lambda ktp: b'"done"', "is a JSON string, not an object"),
+    (lambda ktp: b"<html>oops</html>", "is not JSON"),
+    (lambda ktp: b"[" * 100_000, "nests more than 128 levels"),
+    (lambda ktp: ('{"kv_transfer_params": {"remote_blocks": %s}}' % _nested(300)).encode(), "nests more than"),
+    (lambda ktp: b'{"kv_transfer_params": [1]}', "kv_transfer_params is a JSON array, not an object"),
+    (lambda ktp: b'{"choices": []}', "kv_transfer_params is a JSON null, not an object"),
+    (_params(remote_engine=7), "hold no hixl engine"),
+    (_params(remote_engine="10.0.0.1:7000", mode="sideways"), "mode 'sideways', not push or pull"),
+], ids=["array", "string", "not-json", "100000-open-brackets", "300-deep-params", "params-array", "no-params",
+        "engine-number", "mode-unknown"])
+def test_a_malformed_prefill_answer_gets_a_502_naming_the_prefill(env, mode, answer, says):
+    loop, proxy = env
+    p, d = Fake("prefill", mode=mode, answer=answer), Fake("decode", delay=30)
+    p_url = loop.serve(p.app)
+    px, url = proxy([p_url], [loop.serve(d.app)])
+    assert px.prefill.instances[0].engine == "10.0.0.1:7000"  # discovered: push goes to both at once
+    t0 = time.monotonic()
+    status, text = post(url + "/v1/completions", {"model": "m", "prompt": "x"}, timeout=10)
+    assert status == 502, text
+    err = json.loads(text)["error"]
+    assert err["instance"] == p_url and p_url in err["message"] and says in err["message"], err
+    assert err["type"] == "upstream_error" and err["code"] == 502
+    assert time.monotonic() - t0 < 5 and px.counts["errors"] == 1
+    if mode == "pull":
+        assert d.got == []  # the decoder was never asked
+    else:
+        deadline = time.monotonic() + 5
+        while d.aborted < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert d.aborted == 1  # its request closed: vLLM aborts it
+
+
+def raw_request(url, path, body, timeout=10):
+    """The bytes a client gets for one POST, read from a plain socket up to the server's close; and
+    whether the server reset the connection."""
+    u = urllib.parse.urlparse(url)
+    head = (f"POST {path} HTTP/1.1\r\nHost: {u.netloc}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+    data, reset = b"", False
+    with socket.create_connection((u.hostname, u.port), timeout=timeout) as s:
+        s.sendall(head + body)
+        while True:
+            try:
+                got = s.recv(65536)
+            except ConnectionResetError:
+                reset = True
+                break
+            if not got:
+                break
+            data += got
+    return data, reset
+
+
+def dechunk(data):
+    """(header block, body, whether the chunked body ended with its last chunk and nothing after)."""
+    head, _, rest = data.partition(b"\r\n\r\n")
+    assert b"transfer-encoding: chunked" in head.lower(), head
+    body = b""
+    while True:
+        line, sep, rest = rest.partition(b"\r\n")
+        if not sep:
+            return head, body, False
+        size = int(line.split(b";")[0], 16)
+        if len(rest) < size + 2:
+            return head, body, False
+        assert rest[size:size + 2] == b"\r\n", rest[:size + 2]
+        if size == 0:
+            assert rest[2:] == b"", f"bytes after the chunked body's end: {rest[2:300]!r}"
+            return head, body, True
+        body, rest = body + rest[:size], rest[size + 2:]
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_a_decoder_that_breaks_off_its_stream_ends_it_with_an_error_event(env, mode):
+    loop, proxy = env
+    p, d = Fake("prefill", mode=mode), Fake("decode", break_after=2)
+    d_url = loop.serve(d.app)
+    px, url = proxy([loop.serve(p.app)], [d_url])
+    data, reset = raw_request(url, "/v1/completions",
+                              json.dumps({"model": "m", "prompt": "a b c", "stream": True}).encode())
+    assert data.count(b"HTTP/1.") == 1, data  # one status line: no second response inside the body
+    assert data.startswith(b"HTTP/1.1 200 ") and not reset, data
+    head, body, complete = dechunk(data)
+    assert complete, body  # the chunked body ends properly
+    events = body.decode().split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]", events
+    texts = [json.loads(e[6:])["choices"][0]["text"] for e in events[:-3]]
+    assert texts == ["decoded ", "a "]  # the whole events as they came; the half one dropped
+    err = json.loads(events[-3][len("data: "):])["error"]  # what vLLM sends and openai-python raises on
+    assert err["code"] == 502 and err["type"] == "upstream_error" and err["instance"] == d_url, err
+    assert d_url in err["message"] and "broke off" in err["message"], err
+    assert px.counts["errors"] == 1 and px.decode.instances[0].down_until > 0
+
+
+def test_a_decoder_that_breaks_off_a_json_answer_gets_the_connection_cut(env):
+    loop, proxy = env
+    p, d = Fake("prefill", mode="pull"), Fake("decode", break_after=0)
+    px, url = proxy([loop.serve(p.app)], [loop.serve(d.app)])
+    data, _ = raw_request(url, "/v1/completions", json.dumps({"model": "m", "prompt": "a"}).encode())
+    assert data.count(b"HTTP/1.") == 1 and data.startswith(b"HTTP/1.1 200 "), data
+    head, body, complete = dechunk(data)
+    assert not complete and body == b'{"choices": [{"text": "decoded a', body  # cut: an incomplete body
+    assert px.counts["errors"] == 1
+
+
+def _wait(cond, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return cond()
+
+
+def test_discovery_outlives_malformed_answers_and_rediscovers_after_an_outage(env):
+    loop, proxy = env
+    p, d = Fake("prefill", engine="10.0.0.1:1"), Fake("decode", delay=0.3)  # the prefill's failure comes first
+    p.models_answers = [b'{"data": [1]}', b"[1]", b'{"data": "m"}', b'{"data": [{"id": 5}]}', b"not json",
+                        b"[" * 100_000, (500, b'{"error": {"message": "starting"}}'), b'{"data": []}']
+    p.discover_answers = [b"[]", b'{"kv_transfer_params": {"remote_engine": 3}}', b'{"kv_transfer_params": 1}']
+    p_url = loop.serve(p.app)
+    px, url = proxy([p_url], [loop.serve(d.app)], discover_every_s=0.05)
+    inst = px.prefill.instances[0]
+    assert _wait(lambda: inst.engine == "10.0.0.1:1"), inst
+    assert inst.discovery_errors == 11 and px.counts["discovery_errors"] == 11 and inst.failed == 0
+    assert inst.discovery_error == ""  # the last ask worked
+    with urllib.request.urlopen(url + "/proxy/status", timeout=10) as r:
+        assert json.load(r)["prefill"][0]["discovery_errors"] == 11
+    assert post(url + "/v1/completions", {"model": "m", "prompt": "x"}, timeout=10)[0] == 200
+    assert px.counts["push"] == 1
+    # an outage: the request that finds it gets a 502 naming it; once it is back (restarted, with
+    # another engine) discovery learns it again, and requests go to its new engine
+    p.outage = True
+    status, text = post(url + "/v1/completions", {"model": "m", "prompt": "y"}, timeout=10)
+    assert status == 502 and p_url in json.loads(text)["error"]["message"]
+    assert inst.engine is None and inst.failed >= 1
+    p.engine, p.outage = "10.0.0.2:2", False
+    assert _wait(lambda: inst.engine == "10.0.0.2:2"), inst
+    assert post(url + "/v1/completions", {"model": "m", "prompt": "z"}, timeout=10)[0] == 200
+    assert d.got[-1]["kv_transfer_params"]["remote_engine"] == "10.0.0.2:2"

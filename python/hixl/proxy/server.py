@@ -16,17 +16,17 @@ The proxy learns each prefill's engine and mode at start-up (and again after the
 with a one-token request the connector answers without holding blocks (``hixl_discover``).
 
 The decoder's response is relayed as it is (status, headers, the SSE stream). An instance that cannot
-be reached, or a prefill that fails, gives the client an HTTP 502 whose message names the instance; the
-decoder's own request is then aborted (its connector cancels the transfer), unless
-``--on-prefill-failure decode`` lets the decoder finish it by its ``kv_load_failure_policy``
-("recompute" answers from the prompt alone).
+be reached, or a prefill that fails or answers something malformed, gives the client an HTTP 502 whose
+message names the instance; the decoder's own request is then aborted (its connector cancels the
+transfer), unless ``--on-prefill-failure decode`` lets the decoder finish it by its
+``kv_load_failure_policy`` ("recompute" answers from the prompt alone). A decoder that breaks off a
+stream ends it with an error event (:mod:`hixl.proxy.relay`). A malformed request body gets an HTTP 400
+(:mod:`hixl.proxy.messages`); every error body is OpenAI's ``{"error": {...}}``.
 """
 from __future__ import annotations
 
 import asyncio
-import copy
 import itertools
-import json
 import logging
 import time
 import uuid
@@ -35,6 +35,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import aiohttp
 from aiohttp import web
+
+from .messages import BodyError, check_request, engine_and_mode, error_doc, first_model, parse_object
+from .relay import UPSTREAM_ERRORS, Relay
 
 _log = logging.getLogger("hixl.proxy")
 DOWN_FOR_S = 5.0  # an instance that could not be reached is skipped this long
@@ -50,6 +53,8 @@ class Instance:
     mode: Optional[str] = None     # a prefill's transfer mode, from its responses
     served: int = 0
     failed: int = 0
+    discovery_errors: int = 0      # a prefill's answers to discovery that were no use (it was up)
+    discovery_error: str = ""      # the last of them
 
     def mark_down(self, why: str) -> None:
         self.down_until, self.last_error = time.monotonic() + DOWN_FOR_S, why
@@ -85,15 +90,17 @@ class InstanceError(Exception):
 
 
 def _error(status: int, message: str, kind: str = "proxy_error", instance: Optional[str] = None) -> web.Response:
-    body: Dict[str, Any] = {"error": {"message": message, "type": kind, "code": status}}
-    if instance:
-        body["error"]["instance"] = instance
-    return web.json_response(body, status=status)
+    return web.json_response(error_doc(status, message, kind, instance), status=status)
+
+
+def _text(raw: bytes) -> str:
+    """The start of a backend's answer, for an error message."""
+    return raw[:500].decode("utf-8", "replace")
 
 
 class Proxy:
     def __init__(self, prefill: List[str], decode: List[str], *, timeout_s: float = 600.0,
-                 on_prefill_failure: str = "error", mode: str = "auto"):
+                 on_prefill_failure: str = "error", mode: str = "auto", discover_every_s: float = 2.0):
         if not prefill or not decode:
             raise ValueError("hixl proxy needs at least one prefill and one decode instance")
         if on_prefill_failure not in ("error", "decode"):
@@ -104,9 +111,11 @@ class Proxy:
         self.prefill = Pool("prefill", [Instance(u.rstrip("/"), "prefill") for u in prefill])
         self.decode = Pool("decode", [Instance(u.rstrip("/"), "decode") for u in decode])
         self.timeout_s, self.on_prefill_failure = timeout_s, on_prefill_failure
+        self.discover_every_s = discover_every_s
         self._session: Optional[aiohttp.ClientSession] = None
         self._discovery: Optional[asyncio.Future] = None
-        self.counts = {"requests": 0, "push": 0, "sequential": 0, "errors": 0}  # sequential: pull, or a first push
+        # sequential: pull, or a first push; errors: requests that failed; discovery_errors: useless answers
+        self.counts = {"requests": 0, "push": 0, "sequential": 0, "errors": 0, "discovery_errors": 0}
 
     # -- app -----------------------------------------------------------------------------------
     def app(self) -> web.Application:
@@ -129,34 +138,58 @@ class Proxy:
     async def _discover_loop(self) -> None:
         """Learns each prefill's hixl engine and mode (a one-token request with ``hixl_discover``, which
         the connector answers without holding any block), so that push requests can go to both
-        instances at once from the first one; again whenever an instance was down."""
+        instances at once from the first one; again whenever an instance was down. An instance that
+        answers something of no use is logged and counted, and asked again in the next round."""
         while True:
             for inst in self.prefill.instances:
                 if inst.engine is None or inst.down_until:
-                    try:
-                        await self._discover(inst)
-                    except InstanceError as e:
-                        _log.info("hixl proxy: %s", e)
-            await asyncio.sleep(2.0)
+                    await self._discover_one(inst)
+            await asyncio.sleep(self.discover_every_s)
+
+    async def _discover_one(self, inst: Instance) -> None:
+        """One prefill asked once; what went wrong is logged (when it changed) and counted, never raised."""
+        failed, bug = inst.failed, None
+        try:
+            await self._discover(inst)
+            inst.discovery_error = ""
+            return
+        except asyncio.CancelledError:
+            raise
+        except InstanceError as e:
+            why = str(e)
+            if inst.failed != failed:  # it could not be reached: mark_down logged and counted that
+                _log.info("hixl proxy: %s", why)
+                return
+        except Exception as e:  # noqa: BLE001 -- the loop outlives any answer; the traceback names the bug
+            why, bug = f"{inst.role} instance {inst.url}: discovery failed ({type(e).__name__}: {e})", e
+        inst.discovery_errors += 1
+        self.counts["discovery_errors"] += 1
+        if why != inst.discovery_error:
+            _log.warning("hixl proxy: %s; asking again every %g s", why, self.discover_every_s, exc_info=bug)
+        inst.discovery_error = why
 
     async def _discover(self, inst: Instance) -> None:
         try:
             async with self._session.get(inst.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=5)) as r:
-                models = (await r.json()).get("data", [])
-        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, ValueError) as e:
+                raw = await r.read()
+        except UPSTREAM_ERRORS as e:
             inst.mark_down(f"{type(e).__name__}: {e}")
             raise InstanceError(inst, f"cannot be asked for its hixl engine ({type(e).__name__}: {e})") from None
-        if not models:
-            raise InstanceError(inst, "serves no model")
+        if r.status != 200:
+            raise InstanceError(inst, f"answered HTTP {r.status} on /v1/models: {_text(raw)}")
+        try:
+            model = first_model(parse_object(raw, "its /v1/models answer"))
+        except BodyError as e:
+            raise InstanceError(inst, f"answered /v1/models with no model to use: {e}") from None
         out = await self._post_json(inst, "/v1/completions", {
-            "model": models[0]["id"], "prompt": ".", "max_tokens": 1, "kv_transfer_params": {"hixl_discover": True}})
-        params = out.get("kv_transfer_params") or {}
-        if not params.get("remote_engine"):
-            raise InstanceError(inst, f"does not run HixlConnector (no hixl engine in {params!r})")
-        if (inst.engine, inst.mode) != (params["remote_engine"], params.get("mode", "push")):
-            _log.info("hixl proxy: prefill %s: hixl engine %s, %s mode", inst.url, params["remote_engine"],
-                      params.get("mode", "push"))
-        inst.engine, inst.mode, inst.down_until = params["remote_engine"], params.get("mode", "push"), 0.0
+            "model": model, "prompt": ".", "max_tokens": 1, "kv_transfer_params": {"hixl_discover": True}})
+        try:
+            engine, mode = engine_and_mode(out.get("kv_transfer_params"))
+        except BodyError as e:
+            raise InstanceError(inst, f"does not run HixlConnector: {e}") from None
+        if (inst.engine, inst.mode) != (engine, mode):
+            _log.info("hixl proxy: prefill %s: hixl engine %s, %s mode", inst.url, engine, mode)
+        inst.engine, inst.mode, inst.down_until = engine, mode, 0.0
 
     async def _stop(self, app: web.Application) -> None:
         if self._discovery is not None:
@@ -166,23 +199,24 @@ class Proxy:
 
     # -- plumbing --------------------------------------------------------------------------------
     async def _post_json(self, inst: Instance, path: str, body: Dict[str, Any]) -> Dict[str, Any]:
-        """POST to an instance and read a JSON answer; InstanceError when it cannot be reached or
-        answers with an error."""
+        """POST to an instance and read a JSON object back; InstanceError when it cannot be reached,
+        answers with an error or with anything but a JSON object."""
         try:
             async with self._session.post(inst.url + path, json=body) as r:
-                text = await r.text()
-                if r.status != 200:
-                    raise InstanceError(inst, f"answered HTTP {r.status}: {text[:500]}", status=502)
-                return json.loads(text)
-        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as e:
+                raw = await r.read()
+        except UPSTREAM_ERRORS as e:
             inst.mark_down(f"{type(e).__name__}: {e}")
             raise InstanceError(inst, f"is down ({type(e).__name__}: {e})") from None
-        except ValueError as e:
-            raise InstanceError(inst, f"answered no JSON ({e})") from None
+        if r.status != 200:
+            raise InstanceError(inst, f"answered HTTP {r.status}: {_text(raw)}", status=502)
+        try:
+            return parse_object(raw, f"its answer on {path}")
+        except BodyError as e:
+            raise InstanceError(inst, f"answered malformed JSON: {e}") from None
 
     @staticmethod
     def _prefill_body(body: Dict[str, Any], tid: str) -> Dict[str, Any]:
-        b = copy.deepcopy(body)
+        b = dict(body)  # only top-level keys change; the rest is shared, never written
         b["max_tokens"] = 1
         if "max_completion_tokens" in b:
             b["max_completion_tokens"] = 1
@@ -194,36 +228,22 @@ class Proxy:
     async def _prefill(self, inst: Instance, path: str, body: Dict[str, Any], tid: str) -> Dict[str, Any]:
         out = await self._post_json(inst, path, self._prefill_body(body, tid))
         params = out.get("kv_transfer_params")
-        if not isinstance(params, dict) or params.get("transfer_id") != tid or not params.get("remote_engine"):
+        try:
+            inst.engine, inst.mode = engine_and_mode(params, tid)
+        except BodyError as e:
             raise InstanceError(inst, f"returned no hixl kv_transfer_params for transfer {tid} (is it running "
-                                      f"HixlConnector with kv_role kv_producer or kv_both?): {params!r}")
-        inst.engine, inst.mode = params["remote_engine"], params.get("mode", "push")
+                                      f"HixlConnector with kv_role kv_producer or kv_both?): {e}") from None
         inst.served += 1
-        return params
+        return dict(params)
 
     async def _relay(self, request: web.Request, inst: Instance, resp: aiohttp.ClientResponse) -> web.StreamResponse:
-        """The decoder's response, as it comes (SSE included)."""
-        out = web.StreamResponse(status=resp.status)
-        for h in ("Content-Type", "Cache-Control"):
-            if h in resp.headers:
-                out.headers[h] = resp.headers[h]
-        await out.prepare(request)
-        chunks = resp.content.iter_any()
-        while True:
-            try:
-                chunk = await chunks.__anext__()
-            except StopAsyncIteration:
-                break
-            except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as e:
-                inst.mark_down(f"its stream broke: {e}")  # the client sees a truncated stream
-                raise
-            try:
-                await out.write(chunk)
-            except (ConnectionError, RuntimeError):  # the client went away: stop (vLLM aborts the request)
-                resp.close()
-                return out
-        await out.write_eof()
-        if resp.status == 200:
+        """The decoder's response, as it comes (SSE included); never raises once the headers went out."""
+        relay = Relay(request, resp, f"{inst.role} instance {inst.url}", inst.url)
+        out = await relay.run()
+        if relay.broken is not None:
+            inst.mark_down(f"its stream broke: {relay.broken}")
+            self.counts["errors"] += 1
+        elif resp.status == 200 and not relay.client_gone:
             inst.served += 1
         return out
 
@@ -231,14 +251,10 @@ class Proxy:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         self.counts["requests"] += 1
         try:
-            body = await request.json()
-        except ValueError:
-            return _error(400, "the request body is not JSON", "invalid_request_error")
-        if not isinstance(body, dict):
-            return _error(400, "the request body is not a JSON object", "invalid_request_error")
-        if body.get("n", 1) not in (1, None) or body.get("best_of", 1) not in (1, None):
-            return _error(400, "n > 1 and best_of > 1 are not supported through the PD proxy",
-                          "invalid_request_error")
+            body = parse_object(await request.read(), "the request body")
+            check_request(body)
+        except BodyError as e:
+            return _error(400, str(e), "invalid_request_error")
         path = request.path
         tid = uuid.uuid4().hex
         p, d = self.prefill.pick(), self.decode.pick()
@@ -257,19 +273,19 @@ class Proxy:
 
     async def _decode(self, request: web.Request, path: str, body: Dict[str, Any], params: Dict[str, Any],
                       d: Instance) -> web.StreamResponse:
-        b = copy.deepcopy(body)
+        b = dict(body)
         b["kv_transfer_params"] = params
         try:
             async with self._session.post(d.url + path, json=b) as resp:
                 return await self._relay(request, d, resp)
-        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as e:
+        except UPSTREAM_ERRORS as e:
             d.mark_down(f"{type(e).__name__}: {e}")
             raise InstanceError(d, f"is down ({type(e).__name__}: {e})") from None
 
     async def _push(self, request: web.Request, path: str, body: Dict[str, Any], tid: str, p: Instance,
                     d: Instance) -> web.StreamResponse:
         """Both at once: the decoder's grant reaches the prefill before (or while) it computes."""
-        b = copy.deepcopy(body)
+        b = dict(body)
         b["kv_transfer_params"] = {"do_remote_prefill": True, "transfer_id": tid, "remote_engine": p.engine,
                                    "mode": "push"}
         p_task = asyncio.ensure_future(self._prefill(p, path, body, tid))
@@ -281,7 +297,7 @@ class Proxy:
                 raise p_task.exception()
             try:
                 resp = await d_task
-            except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as e:
+            except UPSTREAM_ERRORS as e:
                 d.mark_down(f"{type(e).__name__}: {e}")
                 raise InstanceError(d, f"is down ({type(e).__name__}: {e})") from None
             if resp.status != 200:
@@ -314,7 +330,7 @@ class Proxy:
                         inst.down_until = 0.0
                     return "ok", True
                 return f"HTTP {r.status}", False
-        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as e:
+        except UPSTREAM_ERRORS as e:
             inst.mark_down(f"{type(e).__name__}: {e}")
             return f"down: {type(e).__name__}: {e}", False
 
@@ -337,7 +353,7 @@ class Proxy:
         try:
             async with self._session.get(d.url + "/v1/models") as resp:
                 return await self._relay(request, d, resp)
-        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as e:
+        except UPSTREAM_ERRORS as e:
             d.mark_down(f"{type(e).__name__}: {e}")
             return _error(502, f"decode instance {d.url} is down ({type(e).__name__}: {e})", "upstream_error", d.url)
 
@@ -345,6 +361,7 @@ class Proxy:
         """What the proxy knows: each instance's engine, mode, requests served and failures."""
         def row(i: Instance) -> Dict[str, Any]:
             return {"url": i.url, "engine": i.engine, "mode": i.mode, "served": i.served, "failed": i.failed,
-                    "down": i.down_until > time.monotonic(), "last_error": i.last_error}
+                    "down": i.down_until > time.monotonic(), "last_error": i.last_error,
+                    "discovery_errors": i.discovery_errors, "discovery_error": i.discovery_error}
         return web.json_response({"counts": self.counts, "prefill": [row(i) for i in self.prefill.instances],
                                   "decode": [row(i) for i in self.decode.instances]})
