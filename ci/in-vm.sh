@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
-# Runs INSIDE the rxe VM (via ci/rxe-vm.sh): the `rdma` and `interop` test tiers, then the
-# WRITE sweep benchmark against perftest and `hixl bench` (rdma vs perftest, Mooncake, NIXL) on the
-# same rxe0, and bench/callgrind.py (instructions per request, engine path vs ib_write_bw). Reports go to
-# ci-artifacts/ (the bench's plots are drawn on the host: ci/test-all.sh).
+# Runs INSIDE the rxe VM (via ci/rxe-vm.sh): the `rdma` and `interop` test tiers, the connector's rdma
+# tests, then the VM's benchmark smoke runs (ci/bench.sh --smoke vm-guest) on the same rxe0. Reports go
+# to ci-artifacts/ (plots are drawn on the host: ci/bench.sh vm-report).
 set -uo pipefail
 log() { echo "[ci] $*"; }
 ART="${RXE_ARTIFACTS:-ci-artifacts}"
@@ -31,22 +30,10 @@ fi
 
 bench_rc=0
 if [ "${HIXL_SKIP_BENCH:-0}" != 1 ]; then
-    log "bench: hixl WRITE vs ib_write_lat / ib_write_bw on rxe0 (same VM run)"
-    "$PY" bench/write_sweep.py --sizes "${HIXL_BENCH_SIZES:-8,4096,65536,1048576,16777216}" \
-        --lat-iters "${HIXL_BENCH_LAT_ITERS:-500}" --json "$ART/write_sweep.json" 2>&1 | tee "$ART/write_sweep.txt"
-    bench_rc=${PIPESTATUS[0]}
-    log "bench exit status: $bench_rc"
-    log "hixl bench: rdma sweep vs perftest, Mooncake, NIXL on rxe0 (same VM run)"
-    "$PY" -m hixl.bench --transport rdma --op "${HIXL_BENCH_OPS:-write,read}" --vs perftest,mooncake,nixl \
-        --quick --no-plots --no-progress --out "$ART/bench" 2>&1
-    hb_rc=$?
-    log "hixl bench exit status: $hb_rc"
-    [ "$bench_rc" -ne 0 ] || bench_rc=$hb_rc
-    log "bench/callgrind.py: instructions per request, both sides, engine path vs ib_write_bw (same VM run)"
-    "$PY" bench/callgrind.py --paths engine --n1 200 --n2 600 --out "$ART/callgrind" 2>&1 | grep -v '^==' | tail -8
-    cg_rc=${PIPESTATUS[0]}
-    log "callgrind exit status: $cg_rc"
-    [ "$bench_rc" -ne 0 ] || bench_rc=$cg_rc
+    log "bench smoke in this VM (ci/bench.sh --smoke vm-guest): WRITE sweep, hixl bench, callgrind"
+    PYTHON="$PY" bash ci/bench.sh --smoke vm-guest
+    bench_rc=$?
+    log "bench smoke exit status: $bench_rc"
 fi
 [ "$test_rc" -eq 0 ] || exit "$test_rc"
 exit "$bench_rc"
