@@ -3,8 +3,8 @@
 # the pinned torch it needs, NIXL (the reference connector), the model export's needs and hixl itself.
 #   bash ci/install-vllm.sh VENV          # idempotent; ~3.5 GB
 # Then: VENV/bin/vllm serve ..., VENV/bin/hixl proxy ..., VENV/bin/python -m pytest -m vllm tests/vllm_tier
-# Environment: PYTHON (the interpreter the venv is made from; default python3), HIXL_WHEEL (a hixl wheel
-# to install instead of building this checkout).
+# Environment: PYTHON (the interpreter the venv is made from; default python3), HIXL_WHEELS (the wheels
+# of hixl and hixl-tools to install, space-separated, instead of building this checkout).
 set -euo pipefail
 log() { echo "[ci] install-vllm: $*"; }
 VENV="${1:?usage: bash ci/install-vllm.sh VENV}"
@@ -21,7 +21,9 @@ pip_() { "$VPY" -m pip install --disable-pip-version-check -q "$@"; }
 
 # vLLM's CPU build needs torch 2.13.0+cpu: asked for first and by exact version (an unpinned torch pulls a
 # CUDA build of several GB). On these machines pip takes it from a wheel on local disk.
-stamp="$VENV/.hixl-vllm-$(sha256sum "$CONSTRAINTS" | cut -c1-16)"
+# The stamp names what the environment was made from (the pins and this script), so an environment kept
+# between runs (ci/test-all.sh keeps it in ~/.cache/hixl) is brought up to date when either changes.
+stamp="$VENV/.hixl-vllm-$(cat "$CONSTRAINTS" "${BASH_SOURCE[0]}" | sha256sum | cut -c1-16)"
 if [ ! -f "$stamp" ]; then
     log "torch==2.13.0 (CPU build)"
     pip_ torch==2.13.0 -c "$CONSTRAINTS"
@@ -57,12 +59,12 @@ if __name__ == "__main__":  # vLLM's worker processes are spawned: they import t
 PYEOF
 chmod +x "$VENV/bin/vllm"
 
-if [ -n "${HIXL_WHEEL:-}" ]; then
-    log "hixl from $HIXL_WHEEL"
-    pip_ --force-reinstall --no-deps "$HIXL_WHEEL"
+if [ -n "${HIXL_WHEELS:-}" ]; then
+    log "hixl and hixl-tools from $HIXL_WHEELS"
+    pip_ --force-reinstall --no-deps $HIXL_WHEELS
 else
-    log "hixl from $REPO"
-    pip_ --no-build-isolation --force-reinstall --no-deps "$REPO"
+    log "hixl and hixl-tools from $REPO"
+    pip_ --no-build-isolation --force-reinstall --no-deps "$REPO" "$REPO/tools"
 fi
-"$VPY" -c 'import hixl.vllm, hixl.proxy, vllm; print("[ci] install-vllm: vllm", vllm.__version__, "hixl", hixl.__version__)'
+"$VPY" -c 'import hixl.vllm, hixl.proxy, hixl_tools.vllm_launch, vllm; print("[ci] install-vllm: vllm", vllm.__version__, "hixl", hixl.__version__)'
 "$VENV/bin/vllm" --version

@@ -1,4 +1,4 @@
-"""The C per-request calls of hixl.Hixl (``_core.fast_call``, engine_transfers): an initialized engine
+"""The C per-request calls of hixl.Hixl (``_core.fast_call``; the methods are in hixl/engine.py): an initialized engine
 answers ``transfer_async`` with one TransferOpDesc, ``transfer_wait`` and ``get_transfer_status`` in C.
 They must answer exactly as the Python methods do (which stay the definition), hand every other form
 to them, keep ``last_error`` per thread, and go away with the engine (finalize, fork, a dropped Hixl)."""
@@ -13,7 +13,6 @@ import pytest
 
 import hixl
 from hixl import FAILED, PARAM_INVALID, READ, SUCCESS, WRITE, TransferOpDesc, TransferStatus
-from hixl.engine_transfers import Transfers
 
 from .test_descriptor_fast_path import SIZE, TRANSPORTS, Pair
 
@@ -29,7 +28,7 @@ def pair(request):
 
 def _python(name):
     """The Python method itself, past the engine's C call."""
-    return getattr(Transfers, name)
+    return getattr(hixl.Hixl, name)
 
 
 def test_an_initialized_engine_answers_in_c_until_finalize():

@@ -206,7 +206,7 @@ def single_request(transport: str, iters: int = 20000, window: int = 128) -> Dic
                 tw(reqs[j], 60000)
 
         def over_c_floor(call: Any) -> Callable[[], None]:
-            # hixl.Hixl's C per-request calls (engine_transfers) doing nothing: their floor. One body for both
+            # hixl.Hixl's C per-request calls (hixl/engine.py) doing nothing: their floor. One body for both
             # floors; the call is bound to locals once per run, so each request costs what a written-out loop does.
             def run() -> None:
                 ta, tw, reqs = call, call, [0] * window
