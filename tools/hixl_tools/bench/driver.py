@@ -267,6 +267,111 @@ def run(s: Settings) -> Dict[str, Any]:
             os.sched_setaffinity(0, saved)
 
 
+class _RunState:
+    """What one run gathers besides its rows: notes, the peers' rows, the RDMA device measured on,
+    perftest (started once, dropped at its first failure), the progress bar and the row cache."""
+
+    def __init__(self, s: Settings, prog: Progress) -> None:
+        a = s.args
+        self.prog = prog
+        self.notes: List[str] = []
+        self.peer_rows: List[Dict[str, Any]] = []
+        self.dev: Tuple[str, int] = (a.device or "", a.gid_index if a.gid_index is not None else -1)
+        self.pt: Optional[Perftest] = None
+        self.pt_failed = False
+        self.cache: Dict[Tuple, Dict[str, Any]] = {}
+
+    def note(self, msg: str) -> None:
+        self.notes.append(msg)
+        self.prog.note(msg)
+
+    def perftest_ok(self) -> bool:
+        return self.pt is not None and not self.pt_failed
+
+
+def _side(p: str, ctl: Ctl, s: Settings, t: str, local_ip: str, st: _RunState) -> Side:
+    if p == "endpoint":
+        side = EndpointSide(ctl, s)
+        st.dev = (side.device, side.gid_index)  # type: ignore[attr-defined]
+        return side
+    if p == "engine":
+        return EngineSide(ctl, s, t, local_ip)
+    return PythonSide(ctl, s, t, local_ip)
+
+
+def _measure_ours(rows: List[Row], ctl: Ctl, s: Settings, local_ip: str, st: _RunState) -> None:
+    """Every row of ours, path by path; beside each endpoint WRITE/READ point, perftest on the same size
+    right away (the same phase of the VM)."""
+    for t in s.transports:
+        for p in s.paths[t]:
+            todo = [r for r in rows if r.transport == t and r.path == p]
+            if not todo:
+                continue
+            side = _side(p, ctl, s, t, local_ip, st)
+            try:
+                side.verify()
+                for r in todo:
+                    imm = r.op == "write_imm" and p == "endpoint"
+                    if imm:
+                        side.imm(True)
+                    try:
+                        measure_row(side, r, s, st.cache)
+                    finally:
+                        if imm:
+                            side.imm(False)
+                    st.prog.tick("%s/%s %s %d B x%d w%d t%d" % (t, p, r.op, r.size, r.descs, r.window, r.threads))
+                    if st.perftest_ok() and p == "endpoint" and r.op in ("write", "read") \
+                            and r.descs == 1 and r.threads == 1 and r.window == s.window0:
+                        try:
+                            st.peer_rows.append(interleaved_perftest(st.pt, side, r, s))  # type: ignore[arg-type]
+                            st.cache[(t, p, r.op, r.size, 1)].update(
+                                {k: r.values[k] for k in r.values if k.startswith("half_rtt")})
+                            st.prog.tick("perftest %s %d B" % (r.op, r.size))
+                        except (RuntimeError, subprocess.SubprocessError, OSError) as ex:
+                            st.note("perftest failed: %s" % ex)
+                            st.pt_failed = True
+            finally:
+                side.close()
+
+
+def _measure_peers(rows: List[Row], ctl: Ctl, s: Settings, local_ip: str, two_hosts: bool, st: _RunState) -> None:
+    """The reference peers (perftest's points not yet paired with ours, Mooncake, NIXL)."""
+    hints = _perftest_hints(rows, s)
+    for peer, proto in peer_plan(s):
+        label = peer if peer == "perftest" else "%s-%s" % (peer, proto)
+        try:
+            if peer == "perftest":
+                if "rdma" not in s.transports:
+                    raise UsageError("perftest compares with rdma only (add --transport rdma)")
+                if not st.perftest_ok():
+                    continue
+                for op in [o for o in s.ops if o in ("write", "read")]:
+                    for size in s.sizes:  # the points our endpoint path did not already pair with
+                        if (op, size) not in st.pt.rows:  # type: ignore[union-attr]
+                            st.peer_rows.append(st.pt.point(op, size, st.dev, hints.get((op, size), {})))  # type: ignore[union-attr]
+                            st.prog.tick("perftest %s %d B" % (op, size))
+            elif peer == "mooncake":
+                st.peer_rows += run_mooncake(ctl, s, proto, st.dev, local_ip, st.prog.tick)
+            elif peer == "nixl":
+                if two_hosts:
+                    raise UsageError("nixl runs both agents in one process: local mode only")
+                st.peer_rows += run_nixl(s, proto, st.dev, st.prog.tick)
+        except (UsageError, RuntimeError, subprocess.SubprocessError, OSError) as ex:
+            st.note("%s skipped: %s" % (label, ex) if isinstance(ex, UsageError) else "%s failed: %s" % (label, ex))
+
+
+def _stop_server(server: Optional[subprocess.Popen]) -> None:
+    if server is None:
+        return
+    try:
+        server.wait(30)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait(5)
+    if server.stdout:
+        server.stdout.close()
+
+
 def _run(s: Settings, t_start: float, mine: Optional[set], theirs: Optional[set]) -> Dict[str, Any]:
     a = s.args
     two_hosts = bool(a.server_ip)
@@ -279,104 +384,30 @@ def _run(s: Settings, t_start: float, mine: Optional[set], theirs: Optional[set]
         ctl = Ctl("127.0.0.1", port)
         local_ip = a.data_ip or "127.0.0.1"
     rows = build_rows(s)
-    plan = peer_plan(s)
-    n_peer = sum(len(s.sizes) * len([o for o in s.ops if o in ("write", "read")]) for _ in plan)
-    prog = Progress(len(rows) + n_peer, a.progress)
-    notes: List[str] = []
-    peer_rows: List[Dict[str, Any]] = []
-    dev: Tuple[str, int] = (a.device or "", a.gid_index if a.gid_index is not None else -1)
+    n_peer = sum(len(s.sizes) * len([o for o in s.ops if o in ("write", "read")]) for _ in peer_plan(s))
+    st = _RunState(s, Progress(len(rows) + n_peer, a.progress))
     server_info = ctl.call("hello")
-    pt: Optional[Perftest] = None
-    pt_failed = False
-
-    def note(msg: str) -> None:
-        notes.append(msg)
-        prog.note(msg)
     try:
-        cache: Dict[Tuple, Dict[str, Any]] = {}
         if "perftest" in s.peers and "rdma" in s.transports:
             try:
-                pt = Perftest(ctl, s, two_hosts)
+                st.pt = Perftest(ctl, s, two_hosts)
             except UsageError as ex:
-                note("perftest skipped: %s" % ex)
-                pt_failed = True
-        for t in s.transports:
-            for p in s.paths[t]:
-                todo = [r for r in rows if r.transport == t and r.path == p]
-                if not todo:
-                    continue
-                side: Side
-                if p == "endpoint":
-                    side = EndpointSide(ctl, s)
-                    dev = (side.device, side.gid_index)  # type: ignore[attr-defined]
-                elif p == "engine":
-                    side = EngineSide(ctl, s, t, local_ip)
-                else:
-                    side = PythonSide(ctl, s, t, local_ip)
-                try:
-                    side.verify()
-                    for r in todo:
-                        imm = r.op == "write_imm" and p == "endpoint"
-                        if imm:
-                            side.imm(True)
-                        try:
-                            measure_row(side, r, s, cache)
-                        finally:
-                            if imm:
-                                side.imm(False)
-                        prog.tick("%s/%s %s %d B x%d w%d t%d" % (t, p, r.op, r.size, r.descs, r.window, r.threads))
-                        if pt is not None and not pt_failed and p == "endpoint" and r.op in ("write", "read") \
-                                and r.descs == 1 and r.threads == 1 and r.window == s.window0:
-                            try:  # perftest right now, on the same size: the same phase of the VM
-                                peer_rows.append(interleaved_perftest(pt, side, r, s))  # type: ignore[arg-type]
-                                cache[(t, p, r.op, r.size, 1)].update(
-                                    {k: r.values[k] for k in r.values if k.startswith("half_rtt")})
-                                prog.tick("perftest %s %d B" % (r.op, r.size))
-                            except (RuntimeError, subprocess.SubprocessError, OSError) as ex:
-                                note("perftest failed: %s" % ex)
-                                pt_failed = True
-                finally:
-                    side.close()
-        if "rdma" in s.transports and dev[0] == "":
+                st.note("perftest skipped: %s" % ex)
+                st.pt_failed = True
+        _measure_ours(rows, ctl, s, local_ip, st)
+        if "rdma" in s.transports and st.dev[0] == "":
             from hixl.endpoint import Endpoint
             with Endpoint(a.device, gid_index=a.gid_index) as ep:
                 info = ep.info()
-                dev = (info["device"], info["gid_index"])
-        hints = _perftest_hints(rows, s)
-        for peer, proto in plan:
-            label = peer if peer == "perftest" else "%s-%s" % (peer, proto)
-            try:
-                if peer == "perftest":
-                    if "rdma" not in s.transports:
-                        raise UsageError("perftest compares with rdma only (add --transport rdma)")
-                    if pt is None or pt_failed:
-                        continue
-                    for op in [o for o in s.ops if o in ("write", "read")]:
-                        for size in s.sizes:  # the points our endpoint path did not already pair with
-                            if (op, size) not in pt.rows:
-                                peer_rows.append(pt.point(op, size, dev, hints.get((op, size), {})))
-                                prog.tick("perftest %s %d B" % (op, size))
-                elif peer == "mooncake":
-                    peer_rows += run_mooncake(ctl, s, proto, dev, local_ip, prog.tick)
-                elif peer == "nixl":
-                    if two_hosts:
-                        raise UsageError("nixl runs both agents in one process: local mode only")
-                    peer_rows += run_nixl(s, proto, dev, prog.tick)
-            except (UsageError, RuntimeError, subprocess.SubprocessError, OSError) as ex:
-                note("%s skipped: %s" % (label, ex) if isinstance(ex, UsageError) else "%s failed: %s" % (label, ex))
+                st.dev = (info["device"], info["gid_index"])
+        _measure_peers(rows, ctl, s, local_ip, two_hosts, st)
     finally:
         t_measured = time.monotonic()
-        prog.stop()
+        st.prog.stop()
         ctl.close()
-        if server is not None:
-            try:
-                server.wait(30)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait(5)
-            if server.stdout:
-                server.stdout.close()
+        _stop_server(server)
     import hixl
+    dev = st.dev
     meta = {"hixl": hixl.__version__, "host": platform.node(), "python": platform.python_version(),
             "cpus": os.cpu_count(), "pinned": bool(mine), "initiator_cpus": sorted(mine) if mine else None,
             "server": server_info, "two_hosts": two_hosts, "server_ip": a.server_ip,
@@ -389,7 +420,7 @@ def _run(s: Settings, t_start: float, mine: Optional[set], theirs: Optional[set]
                          "threads": s.threads, "paths": s.paths, "lat_iters": s.lat_iters, "bw_bytes": s.bw_bytes,
                          "trials": s.trials, "budget_s": s.budget_s, "span_B": s.span, "quick": a.quick,
                          "rdma_qps_per_link": a.qps}}
-    return {"meta": meta, "rows": rows, "peers": peer_rows, "notes": notes}
+    return {"meta": meta, "rows": rows, "peers": st.peer_rows, "notes": st.notes}
 
 
 def _perftest_hints(rows: List[Row], s: Settings) -> Dict[Tuple[str, int], Dict[str, int]]:
