@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""User-space instructions per request, counted by callgrind on both sides (issue 17).
+"""User-space instructions per request, counted by callgrind on both sides.
 
 Instruction counts do not care how loaded the machine is, so they judge a change to the request
 path where timings (under QEMU TCG, on a shared 2-core host) cannot. Measured, for 8 B WRITEs,
@@ -273,7 +273,7 @@ def main() -> int:
                                                        "-" if r["vs_perftest"] is None else "%.2f" % r["vs_perftest"]))
     eng = next((r for r in rows if r["path"] == "engine"), None)
     if eng and ref:
-        lines.append("goal (issue 17): engine path <= 2x perftest's instructions per request: %s (%.2fx)"
+        lines.append("goal: engine path <= 2x perftest's instructions per request: %s (%.2fx)"
                      % ("met" if eng["vs_perftest"] <= 2 else "MISSED", eng["vs_perftest"]))
     text = "\n".join(lines)
     print(text)

@@ -26,7 +26,7 @@ follows, so ours brackets it), and WRITE latencies <= 4 KiB alternate ours / per
 --lat-rounds rounds, each tool's best round reported (see bench/README.md, "Under QEMU TCG").
 --from-json writes the report of an earlier run again (plots where the measuring host had none).
 
-Goals of issue 6 are evaluated when the data is there and reported (never an exit-code failure).
+The goals are evaluated when the data is there and reported (never an exit-code failure).
 Exit codes: 0 done (even with goals missed or a peer skipped), 1 a measurement failed, 2 bad
 arguments or an unusable environment (e.g. --transport rdma without an active device).
 """

@@ -1,4 +1,4 @@
-"""``hixl bench --desc-sweep``: the cost of descriptor-heavy transfers from Python (issue 17).
+"""``hixl bench --desc-sweep``: the cost of descriptor-heavy transfers from Python.
 
 Two engines of this process (target and initiator, the transports asked for) move ``count``
 descriptors of ``size`` bytes per call, 1 .. 100,000 descriptors, three ways:
@@ -368,7 +368,7 @@ def main_sweep(transports: List[str], vs_nixl: bool, out: str, name: str, quick:
                     "C++ loop's)")
     for n in notes:
         text.append("note: " + n)
-    text += ["", "goals (issue 17):"]
+    text += ["", "goals:"]
     for g in goals:
         v = g["value"]
         text.append("  %-6s %s  [%s]" % ("met" if g["met"] else "MISSED", g["goal"],

@@ -1,5 +1,5 @@
 """Report of ``hixl bench``: tables with units in every header, JSON, CSV, PNG plots, the ratio
-table (ours / each peer, per size) and the goals of issue 6 (reported, never enforced).
+table (ours / each peer, per size) and the goals (reported, never enforced).
 
 Units: B = bytes; MiB = 2^20 B (bandwidth MiB/s); us = microseconds; [x] = a ratio ours / peer;
 [#] = a count. "med" is the median, "p99" the 99th percentile, "min" the lowest trial.
@@ -299,9 +299,9 @@ def emit(res: Dict[str, Any], s: Any) -> Dict[str, Any]:
     elif s.peers:
         lines += ["", "== ratio: no peer measured (see notes) =="]
     if gl and not any(t == "rdma" for t in s.transports):
-        lines += ["", "goals (issue 6): not measured (they need --transport rdma --vs perftest,mooncake)"]
+        lines += ["", "goals: not measured (they need --transport rdma --vs perftest,mooncake)"]
     elif gl:
-        lines += ["", "== goals (issue 6; reported, not enforced) =="]
+        lines += ["", "== goals (reported, not enforced) =="]
         for g in gl:
             val = "" if g["value"] is None else " worst %.3fx" % g["value"]
             lines.append("  %-13s %s%s (%s) -- %s" % (g["status"].upper(), g["goal"], val, g["threshold"],
