@@ -9,13 +9,20 @@ PY="${PYTHON:-python3}"
 export HIXL_REQUIRE_RDMA=1
 export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1  # site-packages plugins cost seconds per start under TCG
 
-log "tier 2+3: pytest -m 'rdma or interop' on $(ibv_devices | awk 'NR>2 {print $1}' | xargs)"
+log "tier 2+3: pytest -m 'rdma or interop' on $(ibv_devices | awk 'NR>2 {print $1}' | xargs), two tests at a time"
 # tests/vllm_tier needs the vLLM environment: it runs below with that environment's python (here it
-# would only be skipped, and a skip fails the tier).
-"$PY" -m pytest -p no:cacheprovider -q -rA --durations=10 -m "rdma or interop" --ignore=tests/vllm_tier \
-    --junitxml="$ART/rdma-junit.xml" tests
+# would only be skipped, and a skip fails the tier). Two pytest workers (pytest-xdist) keep both vCPUs
+# busy: under TCG a test is mostly one interpreter's work, and the tier takes about half as long. The
+# tests marked exclusive change what every engine shares (the port goes down): they run after, alone.
+"$PY" -m pytest -p no:cacheprovider -p xdist -n 2 --dist load -q -rA --durations=10 \
+    -m "(rdma or interop) and not exclusive" --ignore=tests/vllm_tier --junitxml="$ART/rdma-junit.xml" tests
 test_rc=$?
 log "pytest exit status: $test_rc"
+"$PY" -m pytest -p no:cacheprovider -q -rA -m "(rdma or interop) and exclusive" --ignore=tests/vllm_tier \
+    --junitxml="$ART/rdma-exclusive-junit.xml" tests
+rc=$?
+log "pytest (exclusive tests) exit status: $rc"
+[ "$test_rc" -ne 0 ] || test_rc=$rc
 
 if [ -n "${HIXL_VLLM_VENV:-}" ]; then
     # vLLM itself is far too slow under TCG (importing it alone takes minutes): the connector's worker

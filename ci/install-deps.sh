@@ -24,7 +24,7 @@ PIP_PACKAGES=(
     scikit-build-core==1.1.2
     pybind11==3.1.0
     numpy==2.4.6
-    pytest==9.0.3
+    pytest==9.0.3 pytest-xdist==3.8.0 execnet==2.1.2   # the VM runs its device tiers two tests at a time
     mooncake-transfer-engine-non-cuda==0.3.13.post1   # reference for bench/host_sweep.py
     gguf==0.19.0 tokenizers==0.23.3 rich==15.0.0      # the PD demo: read SmolLM2's GGUF, its tokenizer, progress
     matplotlib==3.11.2                                # hixl bench: bandwidth/latency plots

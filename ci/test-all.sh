@@ -64,10 +64,10 @@ vllm_tier() {
 bench_vllm() { HIXL_VLLM_VENV="$VLLM_VENV" HIXL_VLLM_MODEL="$REPO/build/smollm2-hf" bash ci/bench.sh --smoke vllm; }
 
 vm_tiers() {  # tiers 2 and 3, the connector's rdma tests and the VM's benchmark smoke runs, one boot
-    rm -f "$ART/rdma-junit.xml" "$ART/vllm-rdma-junit.xml"
+    rm -f "$ART/rdma-junit.xml" "$ART/rdma-exclusive-junit.xml" "$ART/vllm-rdma-junit.xml"
     local rc=0
     HIXL_VLLM_VENV="$VLLM_VENV" RXE_VM_TIMEOUT="${RXE_VM_TIMEOUT:-2400}" bash ci/rxe-vm.sh bash ci/in-vm.sh || rc=$?
-    "$PY" ci/check_junit.py "$ART/rdma-junit.xml" --min-tests 160 \
+    "$PY" ci/check_junit.py "$ART/rdma-junit.xml" "$ART/rdma-exclusive-junit.xml" --min-tests 160 \
         --require tests.rdma.test_data_path --require tests.test_hixl_engine --require tests.test_kv \
         --require tests.test_demo --require tests.reliability --require tests.interop.test_pyverbs \
         || { log "FAIL: RDMA tiers did not really pass"; return 1; }

@@ -1,4 +1,4 @@
-"""Reliability: the RDMA device's async events end the affected links at once (issue 18).
+"""Reliability: the RDMA device's async events end the affected links at once.
 
 The engine watches its device's async events (``ibv_get_async_event``, one reader thread per device,
 asleep in poll()): a QP error ends the link of that QP, a port or device error every RDMA link, each
@@ -94,6 +94,7 @@ def _port_active(dev: str) -> bool:
     return "PORT_ACTIVE" in out
 
 
+@pytest.mark.exclusive  # the device's port goes down for every engine on this host: runs alone
 @pytest.mark.skipif(os.geteuid() != 0, reason="takes the rxe device's netdev down (root, in the CI VM)")
 def test_the_port_going_down_ends_every_rdma_link_at_once_and_connect_works_when_it_is_back(ab):
     a, b = ab
