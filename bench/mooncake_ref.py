@@ -407,10 +407,17 @@ def run(sizes: Iterable[int] = DEFAULT_SIZES, lat_iters: int = 200, *,
     finally:
         _reap(procs)
 
+    return _report(cfg, sizes, info, read_supported, results, time.monotonic() - t_start)
+
+
+def _report(cfg: dict, sizes: list, info: dict, read_supported: Optional[bool], results: list,
+            elapsed_s: float) -> dict:
+    """run()'s result: what was measured, with what, where."""
+    protocol, metadata, host = cfg["protocol"], cfg["metadata"], cfg["host"]
     notes = []
     if read_supported is False:
         notes.append("this mooncake build has no transfer_sync_read; READ not measured")
-    elif not do_read:
+    elif not cfg["do_read"]:
         notes.append("READ disabled by caller")
     return {
         "meta": {
@@ -427,7 +434,7 @@ def run(sizes: Iterable[int] = DEFAULT_SIZES, lat_iters: int = 200, *,
             "platform": platform.platform(),
             "cpu_count": os.cpu_count(),
             "timestamp_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "elapsed_s": time.monotonic() - t_start,
+            "elapsed_s": elapsed_s,
             "mc_env": {k: v for k, v in os.environ.items() if k.startswith("MC_")},
             "api": "TransferEngine.transfer_sync_write / transfer_sync_read, "
                    "one call in flight, back-to-back",
@@ -438,6 +445,8 @@ def run(sizes: Iterable[int] = DEFAULT_SIZES, lat_iters: int = 200, *,
         "notes": notes,
         "results": results,
     }
+
+
 
 
 # --------------------------------------------------------------------------
