@@ -72,6 +72,17 @@ def test_enum_members_are_module_constants(cls_name):
         assert m.name in T.__all__
 
 
+@pytest.mark.parametrize("cls_name", sorted(ENUMS))
+def test_enum_members_print_as_canns_pybind11_enums(cls_name):
+    cls = getattr(T, cls_name)
+    for name, value in ENUMS[cls_name].items():
+        m = cls[name]
+        assert str(m) == "%s.%s" % (cls_name, name)               # pybind11 enum_: "{type}.{name}"
+        assert repr(m) == "<%s.%s: %d>" % (cls_name, name, value)  # and "<{type}.{name}: {value}>"
+        assert "%s" % m == f"{m}" == format(m) == str(m)
+        assert f"{m:d}" == "%d" % m == str(value) and json.dumps(m) == str(value)
+
+
 def test_transfer_status_members_not_exported():
     assert not hasattr(T, "WAITING")
     assert not hasattr(T, "COMPLETED")
