@@ -83,6 +83,35 @@ def test_enum_members_print_as_canns_pybind11_enums(cls_name):
         assert f"{m:d}" == "%d" % m == str(value) and json.dumps(m) == str(value)
 
 
+CANN_BINDING_NAMES = [  # hicann/hixl src/python/hixl_py/hixl/__init__.py: from hixl.hixl import (...)
+    "SUCCESS", "PARAM_INVALID", "TIMEOUT", "NOT_CONNECTED", "ALREADY_CONNECTED", "NOTIFY_FAILED", "UNSUPPORTED",
+    "FAILED", "RESOURCE_EXHAUSTED", "OPTION_ENABLE_USE_FABRIC_MEM", "OPTION_RDMA_TRAFFIC_CLASS",
+    "OPTION_RDMA_SERVICE_LEVEL", "OPTION_BUFFER_POOL", "OPTION_GLOBAL_RESOURCE_CONFIG", "OPTION_AUTO_CONNECT",
+    "OPTION_LOCAL_COMM_RES", "FEATURE_SUPPORTED", "FEATURE_NOT_SUPPORTED", "MemType", "MEM_DEVICE", "MEM_HOST",
+    "TransferOp", "READ", "WRITE", "TransferStatus", "AsyncConnectStatus", "NOT_CONNECT", "CONNECT_PENDING",
+    "CONNECTING", "CONNECTED", "CONNECT_FAILED", "DISCONNECT_PENDING", "DISCONNECTING", "FeatureType",
+    "AUTO_CONNECT", "CLIENT_SERVER_COMM", "MemDesc", "TransferOpDesc", "TransferArgs", "GetTransferStatusArgs",
+    "TransferResult", "NotifyDesc", "Hixl", "get_capability",
+]
+
+
+def test_the_binding_is_importable_as_canns_hixl_hixl():
+    import importlib
+
+    import hixl
+    mod = importlib.import_module("hixl.hixl")
+    assert hixl.hixl is mod
+    assert sorted(mod.__all__) == sorted(CANN_BINDING_NAMES)
+    for name in CANN_BINDING_NAMES:
+        assert getattr(mod, name) is getattr(hixl, name), name
+    ns = {}
+    exec("from hixl.hixl import *", ns)
+    assert set(CANN_BINDING_NAMES) <= set(ns)
+    exec("from hixl.hixl import (Hixl, MemDesc, MemType, TransferOpDesc, TransferStatus, get_capability, "
+         "SUCCESS, PARAM_INVALID, WRITE, READ, MEM_HOST, AUTO_CONNECT, OPTION_LOCAL_COMM_RES)", ns)
+    assert ns["Hixl"] is hixl.Hixl and mod.TIMEOUT == T.TIMEOUT  # TIMEOUT: the status code, as in CANN
+
+
 def test_transfer_status_members_not_exported():
     assert not hasattr(T, "WAITING")
     assert not hasattr(T, "COMPLETED")
