@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 
 import pytest
 
@@ -69,6 +70,46 @@ def test_enum_members_are_module_constants(cls_name):
     for m in cls:
         assert getattr(T, m.name) is m
         assert m.name in T.__all__
+
+
+@pytest.mark.parametrize("cls_name", sorted(ENUMS))
+def test_enum_members_print_as_canns_pybind11_enums(cls_name):
+    cls = getattr(T, cls_name)
+    for name, value in ENUMS[cls_name].items():
+        m = cls[name]
+        assert str(m) == "%s.%s" % (cls_name, name)               # pybind11 enum_: "{type}.{name}"
+        assert repr(m) == "<%s.%s: %d>" % (cls_name, name, value)  # and "<{type}.{name}: {value}>"
+        assert "%s" % m == f"{m}" == format(m) == str(m)
+        assert f"{m:d}" == "%d" % m == str(value) and json.dumps(m) == str(value)
+
+
+CANN_BINDING_NAMES = [  # hicann/hixl src/python/hixl_py/hixl/__init__.py: from hixl.hixl import (...)
+    "SUCCESS", "PARAM_INVALID", "TIMEOUT", "NOT_CONNECTED", "ALREADY_CONNECTED", "NOTIFY_FAILED", "UNSUPPORTED",
+    "FAILED", "RESOURCE_EXHAUSTED", "OPTION_ENABLE_USE_FABRIC_MEM", "OPTION_RDMA_TRAFFIC_CLASS",
+    "OPTION_RDMA_SERVICE_LEVEL", "OPTION_BUFFER_POOL", "OPTION_GLOBAL_RESOURCE_CONFIG", "OPTION_AUTO_CONNECT",
+    "OPTION_LOCAL_COMM_RES", "FEATURE_SUPPORTED", "FEATURE_NOT_SUPPORTED", "MemType", "MEM_DEVICE", "MEM_HOST",
+    "TransferOp", "READ", "WRITE", "TransferStatus", "AsyncConnectStatus", "NOT_CONNECT", "CONNECT_PENDING",
+    "CONNECTING", "CONNECTED", "CONNECT_FAILED", "DISCONNECT_PENDING", "DISCONNECTING", "FeatureType",
+    "AUTO_CONNECT", "CLIENT_SERVER_COMM", "MemDesc", "TransferOpDesc", "TransferArgs", "GetTransferStatusArgs",
+    "TransferResult", "NotifyDesc", "Hixl", "get_capability",
+]
+
+
+def test_the_binding_is_importable_as_canns_hixl_hixl():
+    import importlib
+
+    import hixl
+    mod = importlib.import_module("hixl.hixl")
+    assert hixl.hixl is mod
+    assert sorted(mod.__all__) == sorted(CANN_BINDING_NAMES)
+    for name in CANN_BINDING_NAMES:
+        assert getattr(mod, name) is getattr(hixl, name), name
+    ns = {}
+    exec("from hixl.hixl import *", ns)
+    assert set(CANN_BINDING_NAMES) <= set(ns)
+    exec("from hixl.hixl import (Hixl, MemDesc, MemType, TransferOpDesc, TransferStatus, get_capability, "
+         "SUCCESS, PARAM_INVALID, WRITE, READ, MEM_HOST, AUTO_CONNECT, OPTION_LOCAL_COMM_RES)", ns)
+    assert ns["Hixl"] is hixl.Hixl and mod.TIMEOUT == T.TIMEOUT  # TIMEOUT: the status code, as in CANN
 
 
 def test_transfer_status_members_not_exported():
@@ -336,7 +377,7 @@ def test_parse_options_full(no_env):
     ("GlobalResourceConfig", '{"connect_pool.task_queue_capacity": 65536}'),
     ("GlobalResourceConfig", '{"comm_resource_config.qos": "8"}'),
     ("GlobalResourceConfig", '{"comm_resource_config.listen_port": 0}'),
-    ("GlobalResourceConfig", '{"comm_resource_config.max_active_channels": 8193}'),
+    ("GlobalResourceConfig", '{"comm_resource_config.max_active_channels": 4294967296}'),
     ("GlobalResourceConfig", '{"fabric_memory.max_capacity": 1025}'),
     ("GlobalResourceConfig", '{"fabric_memory.task_stream_num": true}'),
     ("GlobalResourceConfig", '{"fabric_memory": {"task_stream_num": 9}}'),
@@ -397,7 +438,7 @@ def test_parse_options_cann_keys_their_adxl_aliases_and_no_effect_ones(no_env):
     assert p.rdma_traffic_class == 104 and p.auto_connect is True
     assert p.raw == opts and any("comm_resource_config.qos" in n for n in p.notes)
     # the plain key wins over its adxl. alias; an empty value is no value
-    p = ok({"RdmaServiceLevel": "3", "adxl.RdmaServiceLevel": "5", "BufferPool": "", "AutoConnect": ""})
+    p = ok({"RdmaServiceLevel": "3", "adxl.RdmaServiceLevel": "5", "BufferPool": ""})
     assert p.rdma_service_level == 3 and p.buffer_pool is None and p.auto_connect is False
     assert ok({"BufferPool": "0:0"}).buffer_pool == "0:0"
 
@@ -406,7 +447,8 @@ def test_parse_options_global_resource_config_sizes_the_connect_pool(no_env):
     p = ok({"GlobalResourceConfig": '{"connect_pool.thread_num": "4", "connect_pool.task_queue_capacity": 9}'})
     assert (p.connect_pool_threads, p.connect_pool_capacity) == (4, 9)  # a numeric string counts (as in CANN)
     p = ok({"adxl.GlobalResourceConfig": '{"connect_pool": {"thread_num": 64, "task_queue_capacity": 65535}, '
-                                         '"fabric_memory.task_stream_num": 8, "unknown_field": 1}'})
+                                         '"fabric_memory.task_stream_num": 8, "fabric_memory.enable_aicpu_unfold": false, '
+                                         '"unknown_field": 1}'})
     assert (p.connect_pool_threads, p.connect_pool_capacity) == (64, 65535)
 
 
@@ -457,6 +499,90 @@ def test_parse_options_never_raises_on_broken_mapping(no_env):
 
     p = bad(Broken(a="b"))
     assert "boom" in p.error
+
+
+# CANN's own checks (hicann/hixl hixl_options.cc, engine_factory.cc, endpoint_generator.cc), one test each.
+
+def _grc(**fields):
+    return {"GlobalResourceConfig": json.dumps(fields)}
+
+
+def test_parse_options_refuses_an_empty_auto_connect_as_cann(no_env):
+    for key in ("AutoConnect", "adxl.AutoConnect"):
+        assert key in bad({key: ""}).error
+    # CANN's other keys: an empty value counts as absent
+    p = ok({"RdmaTrafficClass": "", "RdmaServiceLevel": "", "EnableUseFabricMem": "", "BufferPool": "",
+            "GlobalResourceConfig": "", "LocalCommRes": ""})
+    assert p.rdma_traffic_class is None and p.buffer_pool is None and p.local_comm_res is None
+
+
+def test_parse_options_protocol_desc_entries_are_protocol_colon_placement(no_env):
+    good = ["roce:host", "roce:device", "hccs:host", "hccs:device", "ub_ctp:host", "ub_ctp:device",
+            "uboe:device", "ub_rtp:device"]
+    p = ok(_grc(**{"comm_resource_config.protocol_desc": good}))
+    assert any("protocol_desc" in n for n in p.notes)
+    ok(_grc(**{"comm_resource_config.protocol_desc": "roce:device"}))  # one string is one entry
+    ok(_grc(**{"comm_resource_config.protocol_desc": []}))
+    for v in ("roce", "roce:", ":host", "roce:host:x", "rdma:host", "roce:nic", "ROCE:host", "roce:Host",
+              "uboe:host", "ub_rtp:host", ["roce:host", "tcp:host"], [1], 5, {"roce": "host"}):
+        assert "comm_resource_config.protocol_desc" in bad(_grc(**{"comm_resource_config.protocol_desc": v})).error
+    assert "protocol_desc" in bad(_grc(comm_resource_config={"protocol_desc": "roce"})).error
+
+
+def test_parse_options_max_active_channels_takes_any_u32_but_0(no_env):
+    for n in (1, 8192, 8193, 2 ** 32 - 1, str(2 ** 32 - 1)):
+        ok(_grc(**{"comm_resource_config.max_active_channels": n}))
+    for n in (0, 2 ** 32, -1):
+        assert "max_active_channels" in bad(_grc(**{"comm_resource_config.max_active_channels": n})).error
+
+
+def test_parse_options_task_stream_num_is_1_in_canns_default_mode(no_env):
+    ok(_grc(**{"fabric_memory.task_stream_num": 1}))
+    for n in (2, 8, "8"):
+        assert "fabric_memory.task_stream_num" in bad(_grc(**{"fabric_memory.task_stream_num": n})).error
+        assert "task_stream_num" in bad(_grc(fabric_memory={"task_stream_num": n})).error
+        assert "task_stream_num" in bad(_grc(**{"fabric_memory.task_stream_num": n,
+                                                "fabric_memory.enable_aicpu_unfold": True})).error
+        # with the aicpu unfold mode off, 1..8 (flat wins over nested, as in CANN)
+        ok(_grc(**{"fabric_memory.task_stream_num": n, "fabric_memory.enable_aicpu_unfold": False}))
+        ok(_grc(fabric_memory={"task_stream_num": n, "enable_aicpu_unfold": False}))
+        bad(_grc(fabric_memory={"task_stream_num": n, "enable_aicpu_unfold": False},
+                 **{"fabric_memory.enable_aicpu_unfold": True}))
+    assert "enable_aicpu_unfold" in bad(_grc(**{"fabric_memory.enable_aicpu_unfold": "false"})).error
+    assert "task_stream_num" in bad(_grc(**{"fabric_memory.task_stream_num": 9,
+                                            "fabric_memory.enable_aicpu_unfold": False})).error
+
+
+def test_parse_options_local_comm_res_path_names_a_readable_file(no_env, tmp_path):
+    f = tmp_path / "lcr.json"
+    f.write_text('{"version": "1.3"}')
+    p = ok(_grc(local_comm_res_path=str(f)))
+    assert p.local_comm_res == '{"version": "1.3"}' and p.local_comm_res_path == str(f)
+    link = tmp_path / "link.json"
+    link.symlink_to(f)
+    assert ok(_grc(local_comm_res_path=str(link))).local_comm_res == '{"version": "1.3"}'
+    (tmp_path / "empty.json").write_text("")
+    (tmp_path / "big.json").write_text(" " * (1024 * 1024) + "{}")
+    (tmp_path / "bad.json").write_text("{version: 1.3}")
+    for path in (tmp_path / "missing.json", tmp_path, tmp_path / "empty.json", tmp_path / "big.json",
+                 tmp_path / "bad.json", "", 3, None, ["x"]):
+        p = bad(_grc(local_comm_res_path=path if path in ("", 3, None, ["x"]) else str(path)))
+        assert "local_comm_res_path" in p.error
+    # a LocalCommRes option wins: the file is then not read (as in CANN)
+    assert ok(dict(_grc(local_comm_res_path=str(tmp_path / "missing.json")), LocalCommRes="{}")).local_comm_res == "{}"
+    # an empty LocalCommRes is none: the file is read
+    assert ok(dict(_grc(local_comm_res_path=str(f)), LocalCommRes="")).local_comm_res == '{"version": "1.3"}'
+
+
+def test_parse_options_local_comm_res_must_be_json(no_env):
+    for v in ("{}", '{"version": "1.3", "server_list": []}', "[1, 2]", "3", '"x"'):
+        assert ok({"LocalCommRes": v}).local_comm_res == v
+    for key, v in (("LocalCommRes", "x"), ("LocalCommRes", "{"), ("adxl.LocalCommRes", "{'a': 1}"),
+                   ("LocalCommRes", "NaN"), ("LocalCommRes", '{"a": Infinity}')):
+        assert key in bad({key: v}).error
+    # CANN parses it only when it builds no fabric-memory engine
+    assert ok({"LocalCommRes": "x", "EnableUseFabricMem": "1"}).local_comm_res == "x"
+    assert "LocalCommRes" in bad({"LocalCommRes": "x", "EnableUseFabricMem": "0"}).error
 
 
 # ----------------------------------------------------------------- capability

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import inspect
+import json
 import socket
 import threading
 import time
@@ -114,6 +115,13 @@ def test_an_engine_dropped_without_finalize_releases_its_port_at_once():
     ({"BufferPool": "4:0"}, "BufferPool"),
     ({"GlobalResourceConfig": "[1]"}, "GlobalResourceConfig"),
     ({"GlobalResourceConfig": '{"connect_pool.thread_num": 65}'}, "connect_pool.thread_num"),
+    # CANN's own checks (hixl_options.cc, engine_factory.cc, endpoint_generator.cc)
+    ({"AutoConnect": ""}, "AutoConnect"),
+    ({"GlobalResourceConfig": '{"comm_resource_config.protocol_desc": "roce"}'}, "protocol_desc"),
+    ({"GlobalResourceConfig": '{"comm_resource_config.protocol_desc": ["roce:host", "uboe:host"]}'}, "protocol_desc"),
+    ({"GlobalResourceConfig": '{"fabric_memory.task_stream_num": 2}'}, "task_stream_num"),
+    ({"GlobalResourceConfig": '{"local_comm_res_path": "/nonexistent/hixl-lcr.json"}'}, "local_comm_res_path"),
+    ({"LocalCommRes": "not json"}, "LocalCommRes"),
 ])
 def test_initialize_refuses_bad_options_naming_them(monkeypatch, options, bad_key):
     monkeypatch.delenv("HCCL_RDMA_TC", raising=False)
@@ -131,11 +139,28 @@ def test_initialize_takes_canns_keys_and_their_adxl_aliases(monkeypatch):
     monkeypatch.delenv("HCCL_RDMA_SL", raising=False)
     e = hixl.Hixl()
     try:
-        assert e.initialize("127.0.0.1:0", {"HixlTransport": "tcp", "adxl.BufferPool": "4:8", "AutoConnect": "",
+        assert e.initialize("127.0.0.1:0", {"HixlTransport": "tcp", "adxl.BufferPool": "4:8", "AutoConnect": "0",
                                             "adxl.RdmaServiceLevel": "3", "EnableUseFabricMem": "0",
                                             "GlobalResourceConfig": '{"connect_pool.thread_num": "3"}',
                                             "LocalCommRes": ""}) == SUCCESS, e.last_error()
         assert e._pool._n_threads == 3
+    finally:
+        e.finalize()
+
+
+def test_initialize_takes_what_canns_own_checks_accept(monkeypatch, tmp_path):
+    monkeypatch.delenv("HCCL_RDMA_TC", raising=False)
+    monkeypatch.delenv("HCCL_RDMA_SL", raising=False)
+    lcr = tmp_path / "local_comm_res.json"
+    lcr.write_text('{"version": "1.3"}')
+    grc = {"comm_resource_config.max_active_channels": 2 ** 32 - 1,
+           "comm_resource_config.protocol_desc": ["roce:host", "ub_rtp:device"],
+           "fabric_memory.task_stream_num": 8, "fabric_memory.enable_aicpu_unfold": False,
+           "local_comm_res_path": str(lcr)}
+    e = hixl.Hixl()
+    try:
+        assert e.initialize("127.0.0.1:0", {"HixlTransport": "tcp", "AutoConnect": "1",
+                                            "GlobalResourceConfig": json.dumps(grc)}) == SUCCESS, e.last_error()
     finally:
         e.finalize()
 

@@ -521,7 +521,7 @@ def test_async_deadline_aborts_the_link_and_no_write_lands_afterwards():
 @pytest.mark.onehost
 def test_device_memory_from_the_acl_shim_and_options():
     from hixl import acl
-    opts = {"RdmaTrafficClass": "32", "RdmaServiceLevel": "1", "BufferPool": "4:8", "LocalCommRes": "x",
+    opts = {"RdmaTrafficClass": "32", "RdmaServiceLevel": "1", "BufferPool": "4:8", "LocalCommRes": "{}",
             "HixlRdmaTimeout": "12", "HixlRdmaRetryCount": "5"}
     a, b = _engine(opts), _engine(opts)
     ptrs = []

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from . import _core, types
+from . import hixl  # CANN's binding is the module hixl.hixl: the same names there
 # CANN hixl module surface: status codes, enums (and their module constants), option keys, data classes.
 from .types import *  # noqa: F401,F403
 from .descs import DESC_DTYPE

@@ -10,6 +10,7 @@ import ipaddress
 import json
 import os
 import re
+import stat
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -66,10 +67,16 @@ GLOBAL_RESOURCE_FIELDS = {
     "connect_pool.task_queue_capacity": (1, 65535),
     "comm_resource_config.listen_port": (1, 65535),
     "comm_resource_config.qos": (0, 7),
-    "comm_resource_config.max_active_channels": (1, 8192),
+    "comm_resource_config.max_active_channels": (1, 2 ** 32 - 1),
     "fabric_memory.max_capacity": (1, 1024),
+    "fabric_memory.start_address": (0, 1024),
     "fabric_memory.task_stream_num": (1, 8),
 }
+# comm_resource_config.protocol_desc: "protocol:placement" entries CANN accepts (uboe, ub_rtp: device only).
+_PROTOCOLS = ("roce", "hccs", "ub_ctp", "uboe", "ub_rtp")
+_PLACEMENTS = ("host", "device")
+_DEVICE_ONLY_PROTOCOLS = ("uboe", "ub_rtp")
+_MAX_LOCAL_COMM_RES_BYTES = 1024 * 1024  # local_comm_res_path: a regular file of 1 B .. 1 MiB
 CONNECT_POOL_THREADS = 2       # default connect_pool.thread_num
 CONNECT_POOL_CAPACITY = 128    # default connect_pool.task_queue_capacity
 
@@ -105,7 +112,8 @@ class ParsedOptions:
 
     ``not_applicable`` lists CANN keys that are accepted but have no effect here (their raw values
     are kept in the matching attributes; the engine logs them once), ``notes`` what else is logged
-    once (GlobalResourceConfig fields without meaning here). On failure only ``error`` is meaningful.
+    once (GlobalResourceConfig fields without meaning here, local_comm_res_path among them: its file
+    is read and checked as CANN checks it, into ``local_comm_res``). On failure only ``error`` is meaningful.
     ``auth_token`` (from ``HixlAuthToken``, else env ``HIXL_AUTH_TOKEN``) never appears in the repr,
     in ``raw`` (its value there is ``"<redacted>"``) or in ``error``.
     """
@@ -127,7 +135,8 @@ class ParsedOptions:
     enable_use_fabric_mem: Optional[str] = None
     buffer_pool: Optional[str] = None
     global_resource_config: Optional[str] = None
-    local_comm_res: Optional[str] = None
+    local_comm_res: Optional[str] = None  # LocalCommRes, else the content of local_comm_res_path
+    local_comm_res_path: Optional[str] = None  # GlobalResourceConfig's local_comm_res_path
     connect_pool_threads: int = CONNECT_POOL_THREADS
     connect_pool_capacity: int = CONNECT_POOL_CAPACITY
     auth_token: Optional[str] = field(default=None, repr=False)
@@ -180,6 +189,107 @@ def _global_resource_config(value: str, p: "ParsedOptions") -> str:
                 p.connect_pool_capacity = n
             else:
                 p.notes.append("GlobalResourceConfig %s=%s has no meaning on this implementation" % (where, v))
+    return _task_stream_mode(doc, p) or _protocol_desc(doc, p) or _local_comm_res_path(doc, p)
+
+
+def _given(doc: Dict[str, Any], name: str) -> List[Tuple[str, Any]]:
+    """``(where, value)`` of field ``"group.field"`` as CANN applies them: nested in a "group" object
+    first, then flat (which wins)."""
+    group, fld = name.split(".", 1)
+    nested = doc.get(group) if isinstance(doc.get(group), dict) else {}
+    return [(w, d[k]) for w, d, k in (("%s (nested)" % name, nested, fld), (name, doc, name)) if k in d]
+
+
+def _task_stream_mode(doc: Dict[str, Any], p: "ParsedOptions") -> str:
+    """CANN's default mode (fabric_memory.enable_aicpu_unfold true) takes one task stream only."""
+    unfold = True
+    for where, v in _given(doc, "fabric_memory.enable_aicpu_unfold"):
+        if not isinstance(v, bool):
+            return "%s must be true or false, got %r" % (where, v)
+        unfold = v
+        p.notes.append("GlobalResourceConfig %s=%s has no meaning on this implementation" % (where, v))
+    streams = _given(doc, "fabric_memory.task_stream_num")
+    if unfold and streams and _json_int(streams[-1][1]) != 1:
+        return ("%s must be 1 unless fabric_memory.enable_aicpu_unfold is false (as in CANN), got %r"
+                % streams[-1])
+    return ""
+
+
+def _protocol_desc(doc: Dict[str, Any], p: "ParsedOptions") -> str:
+    """comm_resource_config.protocol_desc: a "protocol:placement" string or a list of them."""
+    for where, v in _given(doc, "comm_resource_config.protocol_desc"):
+        entries = [v] if isinstance(v, str) else v
+        if not isinstance(entries, list) or not all(isinstance(e, str) for e in entries):
+            return "%s must be a string or a list of strings, got %r" % (where, v)
+        for e in entries:
+            proto, sep, place = e.partition(":")
+            if not (sep and proto and place) or ":" in place:
+                return "%s: %r is not protocol:placement" % (where, e)
+            if proto not in _PROTOCOLS or place not in _PLACEMENTS or \
+                    (proto in _DEVICE_ONLY_PROTOCOLS and place != "device"):
+                return ("%s: %r is not supported (protocols %s; placements %s; %s on device only)"
+                        % (where, e, ", ".join(_PROTOCOLS), ", ".join(_PLACEMENTS), ", ".join(_DEVICE_ONLY_PROTOCOLS)))
+        p.notes.append("GlobalResourceConfig %s=%s has no meaning on this implementation" % (where, v))
+    return ""
+
+
+def _local_comm_res_path(doc: Dict[str, Any], p: "ParsedOptions") -> str:
+    """local_comm_res_path (read later, see :func:`_resolve_local_comm_res`): a non-empty string."""
+    if "local_comm_res_path" not in doc:
+        return ""
+    path = doc["local_comm_res_path"]
+    if not isinstance(path, str) or not path:
+        return "local_comm_res_path must be a non-empty file path string, got %r" % (path,)
+    p.local_comm_res_path = path
+    return ""
+
+
+def _read_local_comm_res(path: str) -> Tuple[Optional[str], str]:
+    """``(content, "")`` of the file at ``path`` (as CANN reads it: a regular file of 1 B .. 1 MiB of UTF-8),
+    or ``(None, why)``."""
+    real = os.path.realpath(path)
+    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW
+    try:
+        fd = os.open(real, flags)
+    except OSError as e:
+        return None, "open(%r, O_RDONLY) failed: errno %d (%s)" % (real, e.errno, e.strerror)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return None, "%r is not a regular file (mode %o)" % (real, st.st_mode)
+        if not 0 < st.st_size <= _MAX_LOCAL_COMM_RES_BYTES:
+            return None, "%r holds %d bytes, expected 1..%d" % (real, st.st_size, _MAX_LOCAL_COMM_RES_BYTES)
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read(_MAX_LOCAL_COMM_RES_BYTES + 1)
+    except OSError as e:
+        return None, "reading %r failed: errno %d (%s)" % (real, e.errno, e.strerror)
+    finally:
+        os.close(fd)
+    try:
+        return data.decode("utf-8"), ""
+    except UnicodeDecodeError as e:
+        return None, "%r is not UTF-8 (%s)" % (real, e)
+
+
+def _no_json_constant(name: str) -> Any:
+    raise ValueError("%s is not JSON" % name)
+
+
+def _resolve_local_comm_res(p: "ParsedOptions", key: str) -> str:
+    """As CANN: a LocalCommRes option wins over GlobalResourceConfig's local_comm_res_path (then not read);
+    what results must be JSON unless EnableUseFabricMem is "1". ``key``: LocalCommRes as given; "" or why."""
+    if not p.local_comm_res and p.local_comm_res_path is not None:
+        p.local_comm_res, why = _read_local_comm_res(p.local_comm_res_path)
+        if why:
+            return "%s: local_comm_res_path %r: %s" % (OPTION_GLOBAL_RESOURCE_CONFIG, p.local_comm_res_path, why)
+        key = "%s (from local_comm_res_path %r)" % (OPTION_LOCAL_COMM_RES, p.local_comm_res_path)
+        p.notes.append("GlobalResourceConfig local_comm_res_path=%s has no meaning on this implementation"
+                       % p.local_comm_res_path)
+    if p.local_comm_res and p.enable_use_fabric_mem != "1":
+        try:
+            json.loads(p.local_comm_res, parse_constant=_no_json_constant)
+        except ValueError as e:
+            return "%s: not JSON (%s)" % (key, e)
     return ""
 
 
@@ -204,7 +314,8 @@ def parse_options(options: Any) -> Tuple[int, ParsedOptions]:
 
     ``None`` means no options.  Keys and values must be ``str``; a key must be one of CANN's
     (:data:`CANN_OPTIONS`, also as ``adxl.<key>``) or ours (:data:`HIXL_OPTIONS`), and values are checked
-    as CANN checks them (an empty value of a CANN key is skipped).  ``RdmaTrafficClass`` /
+    as CANN checks them: an empty value of a CANN key counts as absent, except AutoConnect's (refused);
+    ``LocalCommRes`` (or the file GlobalResourceConfig's ``local_comm_res_path`` names) must be JSON.  ``RdmaTrafficClass`` /
     ``RdmaServiceLevel`` fall back to env ``HCCL_RDMA_TC`` / ``HCCL_RDMA_SL``.  The transport is
     taken from ``HixlTransport``, else env ``HIXL_TRANSPORT``, else ``"auto"``; the
     auth token from ``HixlAuthToken`` (non-empty), else env ``HIXL_AUTH_TOKEN`` (empty
@@ -229,14 +340,17 @@ def parse_options(options: Any) -> Tuple[int, ParsedOptions]:
                 return bad("unknown option %r (known: %s, each also as adxl.<key>, and %s)"
                            % (key, ", ".join(CANN_OPTIONS), ", ".join(HIXL_OPTIONS)))
             if canon in CANN_OPTIONS and value == "":
-                continue  # an empty value is no value (as in CANN)
+                if canon == OPTION_AUTO_CONNECT:  # CANN refuses an empty AutoConnect
+                    return bad("%s=%r: expected \"0\" or \"1\"" % (key, value))
+                continue  # an empty value of the other keys is no value (as in CANN)
             if canon not in values or key == canon:
                 values[canon] = (value, key)
         for canon, (value, key) in values.items():
             why = _apply_option(p, canon, value, key)
             if why:
                 return bad(why)
-        why = _apply_env(p)
+        why = _resolve_local_comm_res(p, values.get(OPTION_LOCAL_COMM_RES, ("", OPTION_LOCAL_COMM_RES))[1]) \
+            or _apply_env(p)
         return bad(why) if why else (SUCCESS, p)
     except Exception as e:  # e.g. a dict subclass with a broken items()
         return bad("invalid options: %s" % (e,))

@@ -77,24 +77,39 @@ from .status import (
 
 
 # ----------------------------------------------------------------------- enums
-class MemType(enum.IntEnum):
+class _CannEnum(enum.IntEnum):
+    """An IntEnum that prints as CANN's (pybind11) enums do: ``str()`` and ``format()`` give
+    ``"TransferStatus.COMPLETED"``, ``repr()`` ``"<TransferStatus.COMPLETED: 1>"`` (a format spec such as
+    ``"d"`` formats the value)."""
+
+    def __str__(self) -> str:
+        return "%s.%s" % (type(self).__name__, self.name)
+
+    def __repr__(self) -> str:
+        return "<%s.%s: %d>" % (type(self).__name__, self.name, int(self))
+
+    def __format__(self, spec: str) -> str:
+        return str(self) if not spec else format(int(self), spec)
+
+
+class MemType(_CannEnum):
     MEM_DEVICE = 0
     MEM_HOST = 1
 
 
-class TransferOp(enum.IntEnum):
+class TransferOp(_CannEnum):
     READ = 0
     WRITE = 1
 
 
-class TransferStatus(enum.IntEnum):
+class TransferStatus(_CannEnum):
     WAITING = 0
     COMPLETED = 1
     TIMEOUT = 2
     FAILED = 3
 
 
-class AsyncConnectStatus(enum.IntEnum):
+class AsyncConnectStatus(_CannEnum):
     NOT_CONNECT = 0
     CONNECT_PENDING = 1
     CONNECTING = 2
@@ -104,7 +119,7 @@ class AsyncConnectStatus(enum.IntEnum):
     DISCONNECTING = 6
 
 
-class FeatureType(enum.IntEnum):
+class FeatureType(_CannEnum):
     AUTO_CONNECT = 0
     CLIENT_SERVER_COMM = 1
 
