@@ -52,12 +52,12 @@ _steps_table() {
     fi
     echo
     echo "[ci] time per step (seconds):"
-    printf '[ci]   %-58s %7s %5s\n' "step" "seconds" "exit"
+    printf '[ci]   %-66s %7s %5s\n' "step" "seconds" "exit"
     for i in "${!_STEP_NAMES[@]}"; do
-        printf '[ci]   %-58s %7d %5d\n' "${_STEP_NAMES[$i]}" "${_STEP_SECS[$i]}" "${_STEP_RCS[$i]}"
+        printf '[ci]   %-66s %7d %5d\n' "${_STEP_NAMES[$i]}" "${_STEP_SECS[$i]}" "${_STEP_RCS[$i]}"
     done
-    printf '[ci]   %-58s %7d %5d\n' "total" "$total" "$rc"
-    [ "$_STEPS_BUDGET" -eq 0 ] || printf '[ci]   %-58s %7d\n' "budget" "$_STEPS_BUDGET"
+    printf '[ci]   %-66s %7d %5d\n' "total" "$total" "$rc"
+    [ "$_STEPS_BUDGET" -eq 0 ] || printf '[ci]   %-66s %7d\n' "budget" "$_STEPS_BUDGET"
     exit "$rc"
 }
 trap _steps_table EXIT

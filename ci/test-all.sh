@@ -55,8 +55,9 @@ vllm_tier() {
     HIXL_REQUIRE_VLLM=1 HIXL_VLLM_LOGS="$ART/vllm" HIXL_VLLM_MODEL="$REPO/build/smollm2-hf" \
         "$VLLM_VENV/bin/python" -m pytest -p no:cacheprovider -q -rA --durations=15 -m "vllm and not rdma" \
         --junitxml="$ART/vllm-junit.xml" tests/vllm_tier || rc=$?
-    "$PY" ci/check_junit.py "$ART/vllm-junit.xml" --min-tests 35 \
+    "$PY" ci/check_junit.py "$ART/vllm-junit.xml" --min-tests 53 \
         --require tests.vllm_tier.test_connector_units --require tests.vllm_tier.test_pd_e2e \
+        --require tests.vllm_tier.test_worker_parts \
         || { log "FAIL: the vLLM tier did not really pass"; return 1; }
     [ "$rc" -eq 0 ] || { log "FAIL: vLLM tier exited $rc"; return "$rc"; }
 }
@@ -67,7 +68,7 @@ vm_tiers() {  # tiers 2 and 3, the connector's rdma tests and the VM's benchmark
     rm -f "$ART/rdma-junit.xml" "$ART/rdma-exclusive-junit.xml" "$ART/vllm-rdma-junit.xml"
     local rc=0
     HIXL_VLLM_VENV="$VLLM_VENV" RXE_VM_TIMEOUT="${RXE_VM_TIMEOUT:-2400}" bash ci/rxe-vm.sh bash ci/in-vm.sh || rc=$?
-    "$PY" ci/check_junit.py "$ART/rdma-junit.xml" "$ART/rdma-exclusive-junit.xml" --min-tests 160 \
+    "$PY" ci/check_junit.py "$ART/rdma-junit.xml" "$ART/rdma-exclusive-junit.xml" --min-tests 228 \
         --require tests.rdma.test_data_path --require tests.test_hixl_engine --require tests.test_kv \
         --require tests.test_demo --require tests.reliability --require tests.interop.test_pyverbs \
         || { log "FAIL: RDMA tiers did not really pass"; return 1; }
@@ -86,7 +87,7 @@ two_host() {
         TV_CMD_B="$PY -m pytest -p no:cacheprovider -q -rA -m twohost --junitxml=\$TV_ST/twohost-junit.xml tests/twohost" \
         bash ci/two-vm/two-vm.sh || rc=$?
     cat "$ART/twohost/state/latest/faults.txt" 2>/dev/null || true
-    "$PY" ci/check_junit.py "$ART/twohost/state/latest/twohost-junit.xml" --min-tests 115 \
+    "$PY" ci/check_junit.py "$ART/twohost/state/latest/twohost-junit.xml" --min-tests 128 \
         --require tests.twohost.test_faults --require tests.twohost.test_engine_suite \
         || { log "FAIL: the two-host tier did not really pass"; return 1; }
     [ "$rc" -eq 0 ] || { log "FAIL: the two-host run exited $rc"; return "$rc"; }
