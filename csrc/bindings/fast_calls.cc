@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "engine/engine.h"
+#include "bindings/status_pair.h"
 
 namespace py = pybind11;
 using hixl::engine::Engine;
@@ -90,22 +91,8 @@ void clear_error(FastCall* f) {
   t.erase(it);
 }
 
-PyObject* pair(int rc, PyObject* second) {  // steals second
-  if (second == nullptr) return nullptr;
-  PyObject* r = PyLong_FromLong(rc);
-  if (r == nullptr) {
-    Py_DECREF(second);
-    return nullptr;
-  }
-  PyObject* t = PyTuple_New(2);
-  if (t == nullptr) {
-    Py_DECREF(r);
-    Py_DECREF(second);
-    return nullptr;
-  }
-  PyTuple_SET_ITEM(t, 0, r);
-  PyTuple_SET_ITEM(t, 1, second);
-  return t;
+inline PyObject* pair(int rc, PyObject* second) {  // steals second
+  return hixl::py_calls::status_pair(rc, second);
 }
 
 // The Python method, with the Hixl as its first argument.

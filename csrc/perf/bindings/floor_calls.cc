@@ -8,6 +8,8 @@
 #include <structmember.h>
 #include <pybind11/pybind11.h>
 
+#include "bindings/status_pair.h"
+
 namespace py = pybind11;
 
 namespace {
@@ -22,22 +24,8 @@ struct FloorCall {  // FastCall's head: the vectorcall slot, then the kind
 
 PyTypeObject* g_type = nullptr;
 
-PyObject* pair(int rc, PyObject* second) {  // steals second
-  if (second == nullptr) return nullptr;
-  PyObject* r = PyLong_FromLong(rc);
-  if (r == nullptr) {
-    Py_DECREF(second);
-    return nullptr;
-  }
-  PyObject* t = PyTuple_New(2);
-  if (t == nullptr) {
-    Py_DECREF(r);
-    Py_DECREF(second);
-    return nullptr;
-  }
-  PyTuple_SET_ITEM(t, 0, r);
-  PyTuple_SET_ITEM(t, 1, second);
-  return t;
+inline PyObject* pair(int rc, PyObject* second) {  // steals second
+  return hixl::py_calls::status_pair(rc, second);
 }
 
 // What any call of this kind costs at least: the call, the GIL released and taken back, a (0, 0) tuple.
