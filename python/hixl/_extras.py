@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 from types import ModuleType
+from typing import Callable
 
 # top-level import name -> the extra that installs it
 EXTRA_OF = {
@@ -25,9 +26,10 @@ def hint(module: str) -> str:
     return "pip install 'hixl[%s]'" % extra if extra else "pip install %s" % module.split(".")[0]
 
 
-def require(module: str, what: str) -> ModuleType:
-    """Imports ``module``; when it is missing, an ImportError that says who needs it and which extra to install."""
+def require(module: str, what: str, hint_of: Callable[[str], str] = hint) -> ModuleType:
+    """Imports ``module``; when it is missing, an ImportError that says who needs it and which extra to
+    install (``hint_of``: the install command for a module; hixl-tools passes its own)."""
     try:
         return importlib.import_module(module)
     except ImportError as e:
-        raise ImportError("%s needs %s (%s): %s" % (what, module.split(".")[0], e, hint(module))) from e
+        raise ImportError("%s needs %s (%s): %s" % (what, module.split(".")[0], e, hint_of(module))) from e

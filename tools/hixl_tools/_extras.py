@@ -6,8 +6,9 @@ hixl's own ``vllm`` extra (torch, transformers, accelerate, safetensors, gguf).
 """
 from __future__ import annotations
 
-import importlib
 from types import ModuleType
+
+from hixl._extras import require as _library_require
 
 # top-level import name -> (distribution, extra) that installs it
 EXTRA_OF = {
@@ -26,7 +27,4 @@ def hint(module: str) -> str:
 
 def require(module: str, what: str) -> ModuleType:
     """Imports ``module``; when it is missing, an ImportError that says who needs it and which extra to install."""
-    try:
-        return importlib.import_module(module)
-    except ImportError as e:
-        raise ImportError("%s needs %s (%s): %s" % (what, module.split(".")[0], e, hint(module))) from e
+    return _library_require(module, what, hint)
