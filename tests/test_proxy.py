@@ -164,14 +164,19 @@ def env():
     loop.close()
 
 
-def post(url, body, timeout=30):
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"content-type": "application/json"})
+def post_raw(url, raw, timeout=30):
+    """POSTs the bytes ``raw`` as a JSON body; (status, text) whatever the status."""
+    req = urllib.request.Request(url, raw, {"content-type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, r.read().decode()
     except urllib.error.HTTPError as e:
         with e:
             return e.code, e.read().decode()
+
+
+def post(url, body, timeout=30):
+    return post_raw(url, json.dumps(body).encode(), timeout)
 
 
 def test_push_goes_to_both_at_once_with_one_transfer_id(env):
@@ -300,16 +305,6 @@ def test_bad_requests_are_refused_before_any_instance_is_asked(env):
         Proxy([], ["http://x:1"])
     with pytest.raises(ValueError):
         Proxy(["http://x:1"], ["http://y:1"], mode="sideways")
-
-
-def post_raw(url, raw, timeout=30):
-    req = urllib.request.Request(url, raw, {"content-type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        with e:
-            return e.code, e.read().decode()
 
 
 def _nested(depth):
