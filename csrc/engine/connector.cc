@@ -123,6 +123,8 @@ void Engine::make_path(Link& link, const wire::Control& peer) {
 bool Engine::add_link(const std::shared_ptr<Link>& link, oob::Socket s, const wire::Control& peer,
                       std::shared_ptr<Link>* superseded) {
   link->peer_instance = peer.instance;
+  link->peer_pid = peer.pid;
+  link->peer_same_host = !peer.boot_id.empty() && peer.boot_id == boot_id_;
   link->ctrl = std::move(s);
   link->heard();  // the heartbeat counts from the publication
   link->set_regions(peer.regions, peer.version);
@@ -184,18 +186,43 @@ int Engine::connect(const std::string& remote, int timeout_ms) {
     if (!key || port < 0) return fail(kParamInvalid, "connect: \"" + remote + "\" is not ip:port or [ipv6]:port");
     if (timeout_ms <= 0) return fail(kParamInvalid, "connect: timeout_in_millis must be > 0");
     if (*key == name_) return fail(kParamInvalid, "connect: " + *key + " is this engine itself");
-    if (int rc = links_.claim_outgoing(*key); rc != kSuccess) return rc;
-    int rc;
-    try {
-      rc = connect_impl(*key, timeout_ms);
-    } catch (...) {
-      links_.release_outgoing(*key);
-      throw;
-    }
-    links_.release_outgoing(*key);
-    return rc;
+    return connect_settled(*key, timeout_ms);
   } catch (const std::exception& e) {
     return fail(kFailed, "connect(" + remote + "): " + e.what());
+  }
+}
+
+// Threads of ours connecting to one peer at once, or the peer connecting to us meanwhile: one
+// handshake makes the link, and every connect() waiting on it returns SUCCESS once it is published
+// (ALREADY_CONNECTED stays the answer for a link that existed before the call). A peer that refuses
+// us because its own connect to us won waits for that link here, within the same timeout.
+int Engine::connect_settled(const std::string& key, int timeout_ms) {
+  const auto deadline = Clock::now() + milliseconds(timeout_ms);
+  const bool listening = name_.find(':') != std::string::npos;
+  for (;;) {
+    bool busy = false;
+    int rc = links_.claim_outgoing(key, &busy);
+    if (rc == kSuccess) {
+      try {
+        rc = connect_impl(key, std::max(1, int(std::chrono::duration_cast<milliseconds>(deadline - Clock::now()).count())));
+      } catch (...) {
+        links_.release_outgoing(key);
+        throw;
+      }
+      links_.release_outgoing(key);
+      if (rc != kAlreadyConnected || !listening) return rc;
+    } else if (!busy) {
+      return rc;
+    }
+    // busy: another handshake with the peer is in progress here: its outcome. Else the peer refused
+    // ours because of its own connect or link: that link, for a while, then a new try (a peer
+    // holding on to a link we dropped lets go of it meanwhile).
+    const auto until = busy ? deadline : std::min(deadline, Clock::now() + milliseconds(200));
+    if (links_.wait_link(key, until, /*settle_only=*/busy)) return ok();
+    if (Clock::now() >= deadline)
+      return fail(kTimeout, "connect to " + key + ": no link within " + std::to_string(timeout_ms) +
+                                " ms while a handshake with it was in progress (" + detail::last_error() + ")");
+    if (busy) std::this_thread::sleep_for(milliseconds(1));
   }
 }
 

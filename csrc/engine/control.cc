@@ -8,6 +8,7 @@
 
 #include "engine/engine.h"
 #include "engine/internal.h"
+#include "engine/liveness.h"
 #include "transport/shm_path.h"
 #include "verbs/error.h"
 #include "verbs/log.h"
@@ -232,14 +233,21 @@ void Engine::heartbeat() {
     if (stop_) return;
     auto now = Clock::now();
     const auto silent = link->silent_for(now);
-    if (silent > limit) {
+    if (silent > limit && !keep_silent_link(*link, silent, limit)) {
       const std::string why = "no frame from the peer for " + std::to_string(silent.count()) + " ms (a ping every " +
                               std::to_string(hb) + " ms, " + std::to_string(opts_.heartbeat_misses) +
-                              " intervals without an answer): the peer is hung, stopped or unreachable" +
-                              link->pending_note();
+                              " intervals without an answer" +
+                              (link->slow ? ", then up to " + std::to_string(kSlowPeerFactor) +
+                                                " times that while it looked alive but slow"
+                                          : std::string()) +
+                              "): the peer is hung, stopped or unreachable" + link->pending_note();
       log::warn("engine " + name_ + ": link to " + link->key + ": " + why + "; closing it");
       remove_link(link, why, Metrics::Cause::kHeartbeat);
       continue;
+    }
+    if (link->slow && silent <= limit) {
+      link->slow = false;
+      log::info("engine " + name_ + ": link to " + link->key + ": the slow peer answers again");
     }
     if (now - link->last_ping < milliseconds(hb)) continue;
     wire::Control ping;
@@ -249,6 +257,19 @@ void Engine::heartbeat() {
     link->post(ping);
     link->last_ping = now;
   }
+}
+
+bool Engine::keep_silent_link(Link& link, milliseconds silent, milliseconds limit) {
+  if (silent > limit * kSlowPeerFactor) return false;
+  const std::string alive = peer_alive_evidence(link.peer_same_host, link.peer_pid, link.ctrl.fd(), opts_.heartbeat_ms);
+  if (alive.empty()) return false;
+  if (!link.slow) {
+    link.slow = true;
+    log::warn("engine " + name_ + ": link to " + link.key + ": no frame from the peer for " +
+              std::to_string(silent.count()) + " ms, but " + alive + ": keeping the link while it stays so, up to " +
+              std::to_string((limit * kSlowPeerFactor).count()) + " ms of silence");
+  }
+  return true;
 }
 
 void Engine::expire_requests() {

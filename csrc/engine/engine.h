@@ -176,6 +176,7 @@ class Engine {
   void wake();                           // the progress thread re-reads the link table
 
   // connector.cc
+  int connect_settled(const std::string& key, int timeout_ms);
   int connect_impl(const std::string& key, int timeout_ms);
   int connect_once(const std::string& key, int timeout_ms, uint32_t offers, std::string* shm_refusal);
   // connect_once()'s handshake on s (under the Handshakes guard): auth, our Connect, the peer's
@@ -284,6 +285,9 @@ class Engine {
   // Every tick: the heartbeat (pings, links gone silent) and the async requests past their deadline.
   void watchdog_loop();
   void heartbeat();
+  // A link silent past the heartbeat bound whose peer shows signs of life (engine/liveness.h) is
+  // kept, up to kSlowPeerFactor times the bound: true (logged once per slow spell).
+  bool keep_silent_link(Link& link, milliseconds silent, milliseconds limit);
   void expire_requests();
 
   // Lifecycle (mu_): written by initialize()/finalize() only; read by everyone after ready().

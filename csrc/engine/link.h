@@ -95,6 +95,11 @@ class Link {
   // being handled; a transfer failing meanwhile leaves the link to that abort.
   std::atomic<Clock::rep> last_rx{0};
   Clock::time_point last_ping{};
+  // For the heartbeat's verdict on a silent peer (engine/liveness.h): its process id and whether it
+  // runs on this host (same boot id), from its handshake; slow: it was found silent but alive.
+  uint32_t peer_pid = 0;
+  bool peer_same_host = false;
+  bool slow = false;  // the watchdog's only
   std::atomic<bool> aborting{false};
   std::atomic<bool> abort_begun{false};
   std::atomic<bool> disconnecting{false};  // our disconnect() is ending it (a goodbye was sent)

@@ -45,12 +45,14 @@ bool LinkTable::empty() const {
   return links_.empty();
 }
 
-int LinkTable::claim_outgoing(const std::string& key) {
+int LinkTable::claim_outgoing(const std::string& key, bool* busy) {
   std::lock_guard<util::Mutex> g(mu_);
   if (closed_) return detail::fail(kFailed, "connect: engine is not initialized");
   if (links_.count(key)) return detail::fail(kAlreadyConnected, "connect: already connected to " + key);
-  if (connecting_.count(key) || incoming_.count(key))
+  if (connecting_.count(key) || incoming_.count(key)) {
+    if (busy) *busy = true;
     return detail::fail(kAlreadyConnected, "connect: a handshake with " + key + " is in progress");
+  }
   connecting_.insert(key);
   return kSuccess;
 }
@@ -58,6 +60,17 @@ int LinkTable::claim_outgoing(const std::string& key) {
 void LinkTable::release_outgoing(const std::string& key) {
   std::lock_guard<util::Mutex> g(mu_);
   connecting_.erase(key);
+  changed_.notify_all();
+}
+
+bool LinkTable::wait_link(const std::string& key, std::chrono::steady_clock::time_point deadline, bool settle_only) {
+  std::unique_lock<util::Mutex> lk(mu_);
+  changed_.wait_until(lk, deadline, [&] {
+    if (closed_ || links_.count(key)) return true;
+    const bool in_progress = connecting_.count(key) || incoming_.count(key);
+    return settle_only && !in_progress;
+  });
+  return !closed_ && links_.count(key) > 0;
 }
 
 std::string LinkTable::claim_incoming(const std::string& key, const std::string& self, bool peer_listens,
@@ -75,6 +88,11 @@ std::string LinkTable::claim_incoming(const std::string& key, const std::string&
   if (it != links_.end() && !peer_listens && it->second->peer_instance != peer_instance)
     return "another client-only engine from " + key + " is connected to " + self +
            "; give each client a port to tell them apart";
+  // The same peer connecting while our own connect to it made the link: both ends connected at
+  // once and ours won (the smaller name's outgoing connect wins, as below); the peer's connect
+  // finds that link on its side. A peer that dropped its end retries until ours is gone.
+  if (it != links_.end() && it->second->initiator && it->second->peer_instance == peer_instance && self < key)
+    return self + " already has a link to " + key + " (both ends connected at once; " + self + "'s stands)";
   if (incoming_.count(key)) return "a handshake from " + key + " is in progress";
   // Both ends connecting to each other at once: the smaller name's outgoing connect wins.
   if (connecting_.count(key) && self < key) return self + " is connecting to " + key + " itself";
@@ -86,6 +104,7 @@ std::string LinkTable::claim_incoming(const std::string& key, const std::string&
 void LinkTable::release_incoming(const std::string& key) {
   std::lock_guard<util::Mutex> g(mu_);
   incoming_.erase(key);
+  changed_.notify_all();
 }
 
 bool LinkTable::publish(const std::shared_ptr<Link>& link, std::shared_ptr<Link>* superseded) {
@@ -100,6 +119,7 @@ bool LinkTable::publish(const std::shared_ptr<Link>& link, std::shared_ptr<Link>
   gen_.fetch_add(1, std::memory_order_release);
   if (!link->initiator) incoming_.erase(link->key);  // the incoming handshake's claim ends with the publication
   closed_links_.erase(link->key);
+  changed_.notify_all();
   return true;
 }
 
@@ -109,6 +129,7 @@ void LinkTable::unpublish(const std::shared_ptr<Link>& link, const std::string& 
   if (it != links_.end() && it->second == link) {
     links_.erase(it);
     gen_.fetch_add(1, std::memory_order_release);
+    changed_.notify_all();
     if (!by_disconnect) {
       if (closed_links_.size() >= kMaxClosedRecords && !closed_links_.count(link->key))
         closed_links_.erase(closed_links_.begin());
@@ -136,6 +157,7 @@ std::map<std::string, std::shared_ptr<Link>> LinkTable::close() {
   std::map<std::string, std::shared_ptr<Link>> out;
   out.swap(links_);
   gen_.fetch_add(1, std::memory_order_release);
+  changed_.notify_all();
   return out;
 }
 

@@ -11,6 +11,8 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -45,8 +47,9 @@ class LinkTable {
   bool empty() const;
 
   // Our connect() to `key` may start (kSuccess, and key is claimed), or why not: kAlreadyConnected
-  // (a link or a handshake exists), kFailed (closed). Messages name the call.
-  int claim_outgoing(const std::string& key);
+  // (a link exists, or a handshake with key is in progress: then *busy is set), kFailed (closed).
+  // Messages name the call.
+  int claim_outgoing(const std::string& key, bool* busy = nullptr);
   void release_outgoing(const std::string& key);
   // A peer's handshake with us may go on: "" (and key is claimed until publish()), else the reason
   // and the status to refuse it with. self: this engine's name; peer_listens: the peer has a port;
@@ -54,6 +57,10 @@ class LinkTable {
   std::string claim_incoming(const std::string& key, const std::string& self, bool peer_listens, uint64_t peer_instance,
                              int* code);
   void release_incoming(const std::string& key);
+  // Waits until a link to key is published (true), or until no handshake with key is in progress
+  // any more and none is, the table closed, or the deadline passed (false). settle_only: return
+  // as soon as no handshake is in progress (also when no link came of it).
+  bool wait_link(const std::string& key, std::chrono::steady_clock::time_point deadline, bool settle_only);
 
   // Publishes a link whose path is built: false when the table is closed, or when a link to that
   // peer exists and superseded is null; else *superseded gets the replaced link. Ends an incoming
@@ -72,6 +79,7 @@ class LinkTable {
   static constexpr size_t kMaxClosedRecords = 4096;
   const uint64_t id_;  // unique in the process: names this table in each thread's last lookup
   mutable util::Mutex mu_;
+  std::condition_variable_any changed_;  // a claim ended, a link was published or taken out, closed
   std::atomic<uint64_t> gen_{1};  // bumped whenever links_ changes
   bool closed_ = false;
   std::map<std::string, std::shared_ptr<Link>> links_;  // by canonical peer name

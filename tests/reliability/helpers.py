@@ -231,6 +231,12 @@ class HalfFrameRelay(Relay):
             self.control.sendall(data)
             self.frozen = True
 
+    def mute(self):
+        """From now on the client's frames are dropped (its process stays alive and running)."""
+        with self.lock:
+            assert self.control is not None
+            self.frozen = True
+
     def resume(self):
         with self.lock:
             self.frozen = False

@@ -1,9 +1,12 @@
-"""Reliability: a peer that hangs (SIGSTOP) instead of dying. One suite over rdma (VM), shm and tcp.
+"""Reliability: a peer that hangs (SIGSTOP) instead of dying, and one that is silent but alive (starved).
+One suite over rdma (VM), shm and tcp.
 
 A stopped process keeps its sockets open, so nothing ever reports an error: only the heartbeat on the
 control connection (HixlHeartbeatMs x HixlHeartbeatMisses) and the async requests' own deadline
-(HixlAsyncTimeoutMs, or transfer_async(..., timeout_in_millis=)) end things. Every bound below is
-generous (seconds); nothing asserts on speed.
+(HixlAsyncTimeoutMs, or transfer_async(..., timeout_in_millis=)) end things. A silent peer whose process
+runs (same host) is slow, not dead: its link is kept up to SLOW_PEER_FACTOR times the bound. The bounds
+below tell the two verdicts apart (a stopped peer closed at 1x, a running one not before 3x); every
+other bound is generous (seconds).
 """
 from __future__ import annotations
 
@@ -14,8 +17,10 @@ import numpy as np
 import hixl
 from hixl import FAILED, NOT_CONNECTED, SUCCESS, WRITE, MemDesc, TransferOpDesc, TransferStatus
 
-from .helpers import MiB, Peer
+from .helpers import LOGS_WARN, HalfFrameRelay, MiB, Peer
 from .helpers import engine as _engine, linked as _linked, until as _until
+
+SLOW_PEER_FACTOR = 6  # engine/liveness.h
 
 
 def test_an_idle_link_to_a_stopped_peer_is_closed_by_the_heartbeat_and_can_be_made_again(transport):
@@ -28,7 +33,10 @@ def test_an_idle_link_to_a_stopped_peer_is_closed_by_the_heartbeat_and_can_be_ma
         peer.stop()
         t0 = time.monotonic()
         _until(lambda: not _linked(b, peer.name), 30, "the heartbeat to close the link to the stopped peer")
-        print("link closed %.2fs after SIGSTOP (heartbeat 100 ms x 5)" % (time.monotonic() - t0))
+        closed_after = time.monotonic() - t0
+        print("link closed %.2fs after SIGSTOP (heartbeat 100 ms x 5)" % closed_after)
+        # dead, not slow: closed at the bound (0.5 s), long before the slow-peer bound (3 s)
+        assert closed_after < 0.5 * SLOW_PEER_FACTOR - 0.5, closed_after
         assert b.transfer_sync(peer.name, WRITE, [TransferOpDesc(src.ctypes.data, peer.info["addr"], 4096)],
                                1000) == NOT_CONNECTED
         assert b.disconnect(peer.name) == SUCCESS, b.last_error()  # the user's disconnect still succeeds, once
@@ -40,6 +48,36 @@ def test_an_idle_link_to_a_stopped_peer_is_closed_by_the_heartbeat_and_can_be_ma
     finally:
         peer.close()
         b.finalize()
+
+
+def test_a_silent_peer_whose_process_runs_is_slow_not_dead(transport, capfd):
+    """b's frames stop reaching a (a relay drops them) while b's process runs: a keeps the link past
+    the bound (0.5 s), as slow, and closes it at SLOW_PEER_FACTOR times the bound, with a warning."""
+    a = _engine(transport, HixlHeartbeatMs=100, HixlHeartbeatMisses=5)
+    b = _engine(transport)
+    relay = HalfFrameRelay(int(a.local_engine.rsplit(":", 1)[1]))
+    try:
+        via = "127.0.0.1:%d" % relay.port
+        assert b.connect(via, 20000) == SUCCESS, b.last_error()
+        _until(lambda: _linked(a, b.local_engine), 10, "a's end of the link to b")
+        relay.mute()
+        t0 = time.monotonic()
+        time.sleep(1.5)  # three times the bound
+        assert _linked(a, b.local_engine), "a closed the link to a running peer %.2f s after it went silent" % (
+            time.monotonic() - t0)
+        _until(lambda: not _linked(a, b.local_engine), 30, "a to close the link at the slow-peer bound")
+        closed_after = time.monotonic() - t0
+        print("%s: a silent running peer's link closed %.2f s after it went silent (bound 0.5 s, slow bound %.1f s)"
+              % (transport, closed_after, 0.5 * SLOW_PEER_FACTOR))
+        assert closed_after >= 0.5 * SLOW_PEER_FACTOR - 0.2, closed_after
+        if LOGS_WARN:
+            err = capfd.readouterr().err
+            assert "link to %s: no frame from the peer for" % b.local_engine in err, err
+            assert "on this host is running" in err and "keeping the link" in err, err
+    finally:
+        relay.close()
+        b.finalize()
+        a.finalize()
 
 
 def test_a_healthy_idle_link_survives_a_short_heartbeat():
