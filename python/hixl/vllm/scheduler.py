@@ -10,6 +10,12 @@ It decides, from each request's ``kv_transfer_params``, what the worker side doe
   its own prefix-cache hit are loaded asynchronously (``get_num_new_matched_tokens`` returns them with
   ``True``); once vLLM allocated their blocks, the worker grants them to the prefill (push) or reads
   the prefill's blocks (pull).
+
+Which contract a router speaks (ours, NIXL's, Mooncake's) is read and written by
+:mod:`hixl.vllm.contracts`; a Mooncake description whose engine id does not name the prefill's hixl
+engines is completed from the prefill's bootstrap endpoint (:class:`~hixl.vllm.lookups.BootstrapLookups`,
+never waited on here: the load starts at a later step). A prefill serves that endpoint
+(:class:`~hixl.vllm.bootstrap.BootstrapServer`) from this process.
 """
 from __future__ import annotations
 
