@@ -239,6 +239,20 @@ def test_the_bootstrap_endpoint_answers_as_mooncakes_does():
         s.close()
 
 
+def test_the_bootstrap_endpoint_names_no_engine_before_the_workers_handshake():
+    s = HixlScheduler(ConnectorConfig(host="127.0.0.1", bootstrap_port=_free_port()), TOKENS, "kv_both",
+                      engine_id=VLLM_ID)
+    url = f"http://127.0.0.1:{s.serve_bootstrap().port}/query"
+    try:
+        assert _get(url) == {}
+        s.set_handshake({0: HixlHandshake(engine=P0)})
+        assert _get(url)["0"]["worker_addr"] == {"0": {"0": P0}}
+    finally:
+        s.close()
+    with pytest.raises(OSError):
+        _get(url, timeout=2)  # closed
+
+
 def test_the_bootstrap_endpoint_is_off_with_port_0_and_on_decoders():
     assert _prefill(bootstrap_port=0).serve_bootstrap() is None
     d = HixlScheduler(ConnectorConfig(bootstrap_port=_free_port()), TOKENS, "kv_consumer")

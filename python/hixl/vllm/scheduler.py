@@ -86,8 +86,10 @@ class HixlScheduler:
         return contracts.encode_engine_id(self.engine_id, self.engines) if self.engines else self.engine_id
 
     def bootstrap_answer(self) -> Dict[str, Any]:
-        """``GET /query``'s answer, in ``MooncakeBootstrapServer``'s shape (before the workers' handshake:
-        no worker addresses yet)."""
+        """``GET /query``'s answer, in ``MooncakeBootstrapServer``'s shape (``{}`` before the workers'
+        handshake, as Mooncake's answers before its workers registered)."""
+        if not self.engines:
+            return {}
         return {str(self.dp_rank): {"engine_id": self.engine_id_for_routers(),
                                     "worker_addr": {str(r): {"0": e} for r, e in enumerate(self.engines)}}}
 
