@@ -67,6 +67,9 @@ class Fake:
         self.answer = answer            # a prefill's answer to a request: kv_transfer_params -> raw bytes
         self.break_after = break_after  # a decoder that closes its connection after this many events
         self.models_answers, self.discover_answers = [], []  # raw answers given first, one per ask
+        self.engines = None             # a TP prefill's engines (remote_engines), else one engine
+        self.discover_params = None     # kv_transfer_params answered to discovery (a callable), else hixl's
+        self.discovered = 0
         self.outage = False             # every connection closed without an answer
         self.got, self.aborted = [], 0
         self.app = web.Application()
@@ -101,10 +104,15 @@ class Fake:
         body = await request.json()
         ktp = body.get("kv_transfer_params") or {}
         if ktp.get("hixl_discover"):
+            self.discovered += 1
             if self.discover_answers:
                 return self._raw(self.discover_answers.pop(0))
-            return web.json_response({"choices": [{"text": "."}],
-                                      "kv_transfer_params": {"remote_engine": self.engine, "mode": self.mode}})
+            if self.discover_params is not None:
+                return web.json_response({"choices": [{"text": "."}], "kv_transfer_params": self.discover_params()})
+            found = {"remote_engine": self.engine, "mode": self.mode}
+            if self.engines:
+                found["remote_engines"] = self.engines
+            return web.json_response({"choices": [{"text": "."}], "kv_transfer_params": found})
         self.got.append(body)
         try:
             await asyncio.sleep(self.delay)
@@ -156,8 +164,9 @@ def env():
         p = Proxy(prefill, decode, **kw)
         url = loop.serve(p.app())
         made.append(p)
-        deadline = time.monotonic() + 10  # the prefills' engines discovered (those that are up)
-        while time.monotonic() < deadline and not all(i.engine or i.down_until for i in p.prefill.instances):
+        deadline = time.monotonic() + 10  # the prefills' engines discovered (those that are up and answer)
+        while time.monotonic() < deadline and not all(i.engine or i.down_until or i.contract != "hixl" or
+                                                      i.discovery_errors for i in p.prefill.instances):
             time.sleep(0.02)
         return p, url
     yield loop, proxy
@@ -481,3 +490,71 @@ def test_discovery_outlives_malformed_answers_and_rediscovers_after_an_outage(en
     assert _wait(lambda: inst.engine == "10.0.0.2:2"), inst
     assert post(url + "/v1/completions", {"model": "m", "prompt": "z"}, timeout=10)[0] == 200
     assert d.got[-1]["kv_transfer_params"]["remote_engine"] == "10.0.0.2:2"
+
+
+# ---------------------------------------------------------------------------------- other contracts, TP
+def test_a_tp_prefill_has_the_decoder_told_each_ranks_engine(env):
+    loop, proxy = env
+    p, d = Fake("prefill", engine="10.0.0.1:1"), Fake("decode")
+    p.engines = ["10.0.0.1:1", "10.0.0.1:2"]
+    px, url = proxy([loop.serve(p.app)], [loop.serve(d.app)])
+    assert px.prefill.instances[0].engines == ["10.0.0.1:1", "10.0.0.1:2"]
+    assert post(url + "/v1/completions", {"model": "m", "prompt": "x"})[0] == 200
+    ktp = d.got[0]["kv_transfer_params"]
+    assert ktp["remote_engines"] == ["10.0.0.1:1", "10.0.0.1:2"] and ktp["remote_engine"] == "10.0.0.1:1"
+    assert px.counts["push"] == 1
+
+
+def test_a_prefill_answering_nixls_fields_alone_has_them_forwarded_unchanged(env):
+    loop, proxy = env
+    nixl = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "e-1",
+            "remote_request_id": "cmpl-1", "remote_block_ids": [[3, 4]], "remote_host": "10.0.0.1",
+            "remote_port": 5600, "tp_size": 1}
+    p = Fake("prefill", answer=lambda ktp: json.dumps({"choices": [{"text": "P"}], "kv_transfer_params": nixl}).encode())
+    p.discover_params = lambda: None  # NixlConnector answers a request it does not prefill with no params
+    d = Fake("decode")
+    px, url = proxy([loop.serve(p.app)], [loop.serve(d.app)], discover_every_s=0.05)
+    for i in range(2):
+        assert post(url + "/v1/completions", {"model": "m", "prompt": f"x{i}"})[0] == 200
+        assert d.got[i]["kv_transfer_params"] == nixl  # no mode, no transfer id added
+    inst = px.prefill.instances[0]
+    assert inst.contract == "nixl" and px.counts["sequential"] == 2 and px.counts["push"] == 0
+    asked = p.discovered
+    time.sleep(0.3)
+    assert p.discovered == asked  # known: discovery stops asking it
+
+
+def test_a_mooncake_prefill_is_found_at_its_bootstrap_endpoint(env):
+    loop, proxy = env
+    boot = web.Application()
+    queries = []
+
+    async def query(request):
+        queries.append(1)
+        return web.json_response({"0": {"engine_id": "mc-engine", "worker_addr": {"0": {"0": "tcp://10.0.0.1:1"}}}})
+    boot.router.add_get("/query", query)
+    boot_url = loop.serve(boot)
+    p = Fake("prefill", answer=lambda ktp: json.dumps({"choices": [{"text": "P"}]}).encode())
+    p.discover_params = lambda: None
+    d = Fake("decode")
+    px, url = proxy([loop.serve(p.app)], [loop.serve(d.app)], bootstrap_port=int(boot_url.rsplit(":", 1)[1]))
+    inst = px.prefill.instances[0]
+    assert _wait(lambda: inst.contract == "mooncake"), inst
+    assert post(url + "/v1/completions", {"model": "m", "prompt": "x"})[0] == 200
+    tid = p.got[0]["kv_transfer_params"]["transfer_id"]
+    assert p.got[0]["kv_transfer_params"] == {"do_remote_decode": True, "transfer_id": tid}
+    assert d.got[0]["kv_transfer_params"] == {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": tid,
+                                              "remote_bootstrap_addr": boot_url, "remote_engine_id": "mc-engine"}
+    assert px.counts["sequential"] == 1 and queries
+    with urllib.request.urlopen(url + "/proxy/status", timeout=10) as r:
+        assert json.load(r)["prefill"][0]["contract"] == "mooncake"
+
+
+def test_without_a_bootstrap_port_a_prefill_answering_nothing_is_no_prefill(env):
+    loop, proxy = env
+    p = Fake("prefill", answer=lambda ktp: json.dumps({"choices": [{"text": "P"}]}).encode())
+    p.discover_params = lambda: None
+    p_url = loop.serve(p.app)
+    px, url = proxy([p_url], [loop.serve(Fake("decode").app)])
+    status, text = post(url + "/v1/completions", {"model": "m", "prompt": "x"})
+    assert status == 502 and "returned no hixl kv_transfer_params" in text and p_url in text

@@ -20,7 +20,7 @@ pytest.importorskip("vllm")
 from hixl import kv  # noqa: E402
 from hixl.vllm import messages  # noqa: E402
 from hixl.vllm.config import ConnectorConfig  # noqa: E402
-from hixl.vllm.metadata import HixlConnectorMetadata, LoadSpec, SendStep  # noqa: E402
+from hixl.vllm.metadata import HixlConnectorMetadata, HixlHandshake, LoadSpec, SendStep  # noqa: E402
 from hixl.vllm.scheduler import HixlScheduler  # noqa: E402
 from hixl.vllm.worker import HixlWorker, describe_kv_caches  # noqa: E402
 
@@ -383,7 +383,7 @@ def _so(new=(), cached=(), scheduled=None):
 
 def test_scheduler_plans_the_blocks_each_prefill_step_completes():
     s = HixlScheduler(ConnectorConfig(), TOKENS, "kv_producer")
-    s.engine, s.memory, s.layout = "127.0.0.1:1", {"m": 1}, {"l": 1}
+    s.set_handshake({0: HixlHandshake(engine="127.0.0.1:1")})
     req = _request("p", 70, {"do_remote_decode": True, "transfer_id": "t"})
     assert s.get_num_new_matched_tokens(req, 0) == (0, False)
     s.update_state_after_alloc(req, _blocks([1, 2]), 0)

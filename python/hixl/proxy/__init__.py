@@ -17,6 +17,17 @@ from .._extras import hint
 
 __all__ = ["main"]
 
+_ROUTERS = """which router for what:
+  hixl proxy        sends each request to the prefill and the decoder at once (the decoder's grant
+                    reaches the prefill while it computes): push mode overlaps the transfer with the
+                    prefill layer by layer. The router to choose for the lowest TTFT with HixlConnector.
+  vllm-router       (--vllm-pd-disaggregation --kv-connector nixl|mooncake) the production router:
+                    prefill first, then decode. HixlConnector speaks both contracts (pull, or push of
+                    the whole request after the prefill finished); mooncake mode asks each prefill's
+                    bootstrap endpoint (bootstrap_port, 8998 by default).
+  vLLM's toy proxies (toy_proxy_server.py, toy_push_proxy_server.py) work the same way, sequentially.
+"""
+
 
 def _urls(s: str) -> List[str]:
     out = []
@@ -31,7 +42,8 @@ def _urls(s: str) -> List[str]:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="hixl proxy", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="hixl proxy", description=__doc__.split("\n\n")[0], epilog=_ROUTERS,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prefill", type=_urls, required=True, help="prefill instances: URL[,URL...]")
     ap.add_argument("--decode", type=_urls, required=True, help="decode instances: URL[,URL...]")
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
@@ -42,6 +54,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                          "decoder finishes the request by its kv_load_failure_policy")
     ap.add_argument("--mode", choices=("auto", "push", "pull"), default="auto",
                     help="how the KV moves: auto (each prefill instance's own mode, default), push or pull")
+    ap.add_argument("--bootstrap-port", type=int, default=0,
+                    help="prefill instances that run MooncakeConnector: the port of their bootstrap endpoint "
+                         "(they are then served one request after the other); default 0: none")
     ap.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     args = ap.parse_args(argv)
     try:
@@ -53,7 +68,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     proxy = Proxy(args.prefill, args.decode, timeout_s=args.timeout, on_prefill_failure=args.on_prefill_failure,
-                  mode=args.mode)
+                  mode=args.mode, bootstrap_port=args.bootstrap_port)
     print(f"hixl proxy on http://{args.host}:{args.port}: prefill {args.prefill}, decode {args.decode}", flush=True)
     web.run_app(proxy.app(), host=args.host, port=args.port, print=None, access_log=None)
     return 0

@@ -9,7 +9,7 @@ Every reader raises :class:`BodyError` saying in words what is wrong; the server
 from __future__ import annotations
 
 import json
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 MAX_DEPTH = 128  # levels of nested objects and arrays in a document the proxy accepts
 MODES = ("push", "pull")
@@ -80,6 +80,30 @@ def engine_and_mode(params: Any, tid: Optional[str] = None) -> Tuple[str, str]:
     if mode is not None and mode not in MODES:
         raise BodyError(f"kv_transfer_params name mode {mode!r:.100}, not push or pull")
     return engine, mode or "push"
+
+
+def engines_of(params: Dict[str, Any]) -> List[str]:
+    """A hixl prefill's engines by TP rank (``remote_engines``; ``[remote_engine]`` when it names none)."""
+    many = params.get("remote_engines")
+    if isinstance(many, list) and many and all(isinstance(e, str) and e for e in many):
+        return list(many)
+    return [params["remote_engine"]]
+
+
+def nixl_only(params: Any) -> bool:
+    """Whether a prefill's ``kv_transfer_params`` are NIXL's alone (NixlConnector's answer: no hixl
+    engine, a ``remote_engine_id``): a decoder of the same connector takes them as they are."""
+    return isinstance(params, dict) and "remote_engine" not in params and "remote_engines" not in params \
+        and isinstance(params.get("remote_engine_id"), str) and bool(params.get("do_remote_prefill"))
+
+
+def bootstrap_engine_id(doc: Dict[str, Any]) -> str:
+    """The engine id of a bootstrap endpoint's ``/query`` answer (``{dp_rank: {engine_id, worker_addr}}``,
+    vLLM's ``MooncakeBootstrapServer``); BodyError when it names none."""
+    for entry in doc.values():
+        if isinstance(entry, dict) and isinstance(entry.get("engine_id"), str) and entry.get("worker_addr"):
+            return entry["engine_id"]
+    raise BodyError(f"it names no engine with workers: {json.dumps(doc)[:300]}")
 
 
 def first_model(doc: Dict[str, Any]) -> str:

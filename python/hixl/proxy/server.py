@@ -12,8 +12,15 @@ for a few seconds, then tried again) and a transfer id ties the two halves toget
 * **pull** (a prefill in pull mode, or ``--mode pull``): the prefill runs first (``max_tokens`` 1); its
   response says where its blocks are, and the decoder reads them.
 
-The proxy learns each prefill's engine and mode at start-up (and again after the instance was down)
-with a one-token request the connector answers without holding blocks (``hixl_discover``).
+The proxy learns each prefill's engine(s) (one per TP rank) and mode at start-up (and again after the
+instance was down) with a one-token request the connector answers without holding blocks
+(``hixl_discover``).
+
+It also fronts prefill instances of other connectors, one request after the other, by the contract
+their answers show (:mod:`hixl.vllm.contracts` names them): a prefill answering NIXL's fields alone
+(NixlConnector) has them forwarded to the decoder unchanged; a prefill answering none, whose bootstrap
+endpoint (``bootstrap_port``, ``--bootstrap-port``) names an engine (MooncakeConnector), has the decoder
+told ``transfer_id``, ``remote_bootstrap_addr`` and ``remote_engine_id``.
 
 The decoder's response is relayed as it is (status, headers, the SSE stream). An instance that cannot
 be reached, or a prefill that fails or answers something malformed, gives the client an HTTP 502 whose
@@ -32,11 +39,13 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
+from urllib.parse import urlparse
 
 import aiohttp
 from aiohttp import web
 
-from .messages import BodyError, check_request, engine_and_mode, error_doc, first_model, parse_object
+from .messages import (BodyError, bootstrap_engine_id, check_request, engine_and_mode, engines_of, error_doc,
+                       first_model, nixl_only, parse_object)
 from .relay import UPSTREAM_ERRORS, Relay
 
 _log = logging.getLogger("hixl.proxy")
@@ -49,8 +58,12 @@ class Instance:
     role: str
     down_until: float = 0.0
     last_error: str = ""
-    engine: Optional[str] = None   # a prefill's hixl engine, from its responses
+    engine: Optional[str] = None   # a prefill's hixl engine (of its TP rank 0), from its responses
     mode: Optional[str] = None     # a prefill's transfer mode, from its responses
+    engines: List[str] = field(default_factory=list)  # a prefill's hixl engines by TP rank
+    contract: str = "hixl"         # hixl | nixl (NIXL's params only) | mooncake (a bootstrap endpoint, no params)
+    bootstrap: Optional[str] = None  # mooncake: the prefill's bootstrap address and engine id
+    engine_id: Optional[str] = None
     served: int = 0
     failed: int = 0
     discovery_errors: int = 0      # a prefill's answers to discovery that were no use (it was up)
@@ -58,7 +71,7 @@ class Instance:
 
     def mark_down(self, why: str) -> None:
         self.down_until, self.last_error = time.monotonic() + DOWN_FOR_S, why
-        self.engine = None  # a restarted instance has another engine: learn it again
+        self.engine, self.engines, self.contract = None, [], "hixl"  # a restarted instance: learn it again
         self.failed += 1
         _log.warning("hixl proxy: %s instance %s is down: %s", self.role, self.url, why)
 
@@ -100,7 +113,8 @@ def _text(raw: bytes) -> str:
 
 class Proxy:
     def __init__(self, prefill: List[str], decode: List[str], *, timeout_s: float = 600.0,
-                 on_prefill_failure: str = "error", mode: str = "auto", discover_every_s: float = 2.0):
+                 on_prefill_failure: str = "error", mode: str = "auto", discover_every_s: float = 2.0,
+                 bootstrap_port: int = 0):
         if not prefill or not decode:
             raise ValueError("hixl proxy needs at least one prefill and one decode instance")
         if on_prefill_failure not in ("error", "decode"):
@@ -111,7 +125,7 @@ class Proxy:
         self.prefill = Pool("prefill", [Instance(u.rstrip("/"), "prefill") for u in prefill])
         self.decode = Pool("decode", [Instance(u.rstrip("/"), "decode") for u in decode])
         self.timeout_s, self.on_prefill_failure = timeout_s, on_prefill_failure
-        self.discover_every_s = discover_every_s
+        self.discover_every_s, self.bootstrap_port = discover_every_s, bootstrap_port
         self._session: Optional[aiohttp.ClientSession] = None
         self._discovery: Optional[asyncio.Future] = None
         # sequential: pull, or a first push; errors: requests that failed; discovery_errors: useless answers
@@ -142,7 +156,7 @@ class Proxy:
         answers something of no use is logged and counted, and asked again in the next round."""
         while True:
             for inst in self.prefill.instances:
-                if inst.engine is None or inst.down_until:
+                if (inst.engine is None and inst.contract == "hixl") or inst.down_until:
                     await self._discover_one(inst)
             await asyncio.sleep(self.discover_every_s)
 
@@ -183,13 +197,38 @@ class Proxy:
             raise InstanceError(inst, f"answered /v1/models with no model to use: {e}") from None
         out = await self._post_json(inst, "/v1/completions", {
             "model": model, "prompt": ".", "max_tokens": 1, "kv_transfer_params": {"hixl_discover": True}})
+        params = out.get("kv_transfer_params")
         try:
-            engine, mode = engine_and_mode(out.get("kv_transfer_params"))
+            engine, mode = engine_and_mode(params)
         except BodyError as e:
+            if params is None and self.bootstrap_port and await self._discover_bootstrap(inst):
+                return
             raise InstanceError(inst, f"does not run HixlConnector: {e}") from None
-        if (inst.engine, inst.mode) != (engine, mode):
-            _log.info("hixl proxy: prefill %s: hixl engine %s, %s mode", inst.url, engine, mode)
-        inst.engine, inst.mode, inst.down_until = engine, mode, 0.0
+        engines = engines_of(params)
+        if (inst.engines, inst.mode) != (engines, mode):
+            _log.info("hixl proxy: prefill %s: hixl engine(s) %s, %s mode", inst.url, ", ".join(engines), mode)
+        inst.engine, inst.engines, inst.mode, inst.contract, inst.down_until = engine, engines, mode, "hixl", 0.0
+
+    async def _discover_bootstrap(self, inst: Instance) -> bool:
+        """A prefill that answers no kv_transfer_params may serve Mooncake's contract: its bootstrap
+        endpoint (``GET http://HOST:bootstrap_port/query``) names its engine id. True when it does."""
+        host = urlparse(inst.url).hostname or ""
+        addr = f"http://[{host}]:{self.bootstrap_port}" if ":" in host else f"http://{host}:{self.bootstrap_port}"
+        try:
+            async with self._session.get(addr + "/query", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                raw = await r.read()
+            if r.status != 200:
+                return False
+            engine_id = bootstrap_engine_id(parse_object(raw, f"the /query answer of {addr}"))
+        except (BodyError, *UPSTREAM_ERRORS):
+            return False
+        if "@" in engine_id:  # a HixlConnector prefill's endpoint (it answers discovery itself): not this one
+            return False
+        if (inst.bootstrap, inst.engine_id) != (addr, engine_id):
+            _log.info("hixl proxy: prefill %s: Mooncake's contract, bootstrap %s, engine %s (one after the "
+                      "other: prefill, then decode)", inst.url, addr, engine_id)
+        inst.contract, inst.bootstrap, inst.engine_id, inst.down_until = "mooncake", addr, engine_id, 0.0
+        return True
 
     async def _stop(self, app: web.Application) -> None:
         if self._discovery is not None:
@@ -225,16 +264,27 @@ class Proxy:
         b["kv_transfer_params"] = {"do_remote_decode": True, "transfer_id": tid}
         return b
 
-    async def _prefill(self, inst: Instance, path: str, body: Dict[str, Any], tid: str) -> Dict[str, Any]:
+    async def _prefill(self, inst: Instance, path: str, body: Dict[str, Any], tid: str) -> Tuple[Dict[str, Any], bool]:
+        """The decoder's kv_transfer_params from the prefill's answer, and whether they are hixl's (the
+        proxy may set their mode); NIXL's alone (NixlConnector) and Mooncake's go as the contract says."""
         out = await self._post_json(inst, path, self._prefill_body(body, tid))
         params = out.get("kv_transfer_params")
         try:
             inst.engine, inst.mode = engine_and_mode(params, tid)
+            inst.engines, inst.contract = engines_of(params), "hixl"
         except BodyError as e:
+            if inst.contract == "mooncake" and params is None:
+                inst.served += 1
+                return {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": tid,
+                        "remote_bootstrap_addr": inst.bootstrap, "remote_engine_id": inst.engine_id}, False
+            if nixl_only(params):
+                inst.contract = "nixl"
+                inst.served += 1
+                return dict(params), False
             raise InstanceError(inst, f"returned no hixl kv_transfer_params for transfer {tid} (is it running "
                                       f"HixlConnector with kv_role kv_producer or kv_both?): {e}") from None
         inst.served += 1
-        return dict(params)
+        return dict(params), True
 
     async def _relay(self, request: web.Request, inst: Instance, resp: aiohttp.ClientResponse) -> web.StreamResponse:
         """The decoder's response, as it comes (SSE included); never raises once the headers went out."""
@@ -264,8 +314,9 @@ class Proxy:
                 self.counts["push"] += 1
                 return await self._push(request, path, body, tid, p, d)
             self.counts["sequential"] += 1
-            params = await self._prefill(p, path, body, tid)
-            params["mode"] = mode
+            params, ours = await self._prefill(p, path, body, tid)
+            if ours:
+                params["mode"] = mode
             return await self._decode(request, path, body, params, d)
         except InstanceError as e:
             self.counts["errors"] += 1
@@ -288,6 +339,8 @@ class Proxy:
         b = dict(body)
         b["kv_transfer_params"] = {"do_remote_prefill": True, "transfer_id": tid, "remote_engine": p.engine,
                                    "mode": "push"}
+        if len(p.engines) > 1:  # a TP prefill: each rank's engine
+            b["kv_transfer_params"]["remote_engines"] = list(p.engines)
         p_task = asyncio.ensure_future(self._prefill(p, path, body, tid))
         d_task = asyncio.ensure_future(self._session.post(d.url + path, json=b))
         resp: Optional[aiohttp.ClientResponse] = None
@@ -360,7 +413,8 @@ class Proxy:
     async def status(self, request: web.Request) -> web.Response:
         """What the proxy knows: each instance's engine, mode, requests served and failures."""
         def row(i: Instance) -> Dict[str, Any]:
-            return {"url": i.url, "engine": i.engine, "mode": i.mode, "served": i.served, "failed": i.failed,
+            return {"url": i.url, "engine": i.engine, "engines": i.engines, "contract": i.contract, "mode": i.mode,
+                    "served": i.served, "failed": i.failed,
                     "down": i.down_until > time.monotonic(), "last_error": i.last_error,
                     "discovery_errors": i.discovery_errors, "discovery_error": i.discovery_error}
         return web.json_response({"counts": self.counts, "prefill": [row(i) for i in self.prefill.instances],

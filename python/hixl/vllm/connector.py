@@ -66,7 +66,9 @@ class HixlConnector(KVConnectorBase_V1):
         self._scheduler: Optional[HixlScheduler] = None
         self._worker: Optional[HixlWorker] = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = HixlScheduler(self.config, self.block_size, self.kv_role)
+            self._scheduler = HixlScheduler(self.config, self.block_size, self.kv_role, engine_id=str(ktc.engine_id),
+                                            dp_rank=pc.data_parallel_rank)
+            self._scheduler.serve_bootstrap()  # prefill roles: GET /query on bootstrap_port (0: none)
         else:
             self._worker = HixlWorker(self.config, self.kv_role, ktc.engine_id, kv_cache_config.num_blocks,
                                       spec.block_size, spec.num_kv_heads, spec.head_size)
@@ -110,6 +112,8 @@ class HixlConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.close()
 
     # -- scheduler side -----------------------------------------------------------------------------
     def set_xfer_handshake_metadata(self, metadata: Dict[int, Any]) -> None:

@@ -1,5 +1,5 @@
 """What the scheduler side tells the worker side each step (pickled by vLLM), and what a worker tells
-its scheduler once at start-up (its engine address and memory, through vLLM's handshake hook)."""
+its scheduler once at start-up (its engine address, through vLLM's handshake hook: one per TP rank)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -17,11 +17,13 @@ class LoadSpec:
 
     transfer_id: str
     mode: str                      # push | pull
-    peer: str                      # the prefill's hixl engine
+    peer: str                      # the prefill's hixl engine (of its TP rank 0: peers[0]); "" when unknown
     blocks: List[int]              # our blocks for request blocks first_block, first_block + 1, ...
     first_block: int
     n_tokens: int
-    source: Optional[Dict[str, Any]] = None  # pull: the prefill's blocks, as a hixl.kv.Grant dict
+    source: Optional[Dict[str, Any]] = None  # pull: {"remote_blocks": the prefill's block ids}
+    peers: List[str] = field(default_factory=list)  # the prefill's hixl engines by its TP rank ([peer] at TP 1)
+    remote_tp: int = 1             # the prefill's tensor parallel size (len(peers))
 
 
 @dataclass
@@ -43,11 +45,12 @@ class HixlConnectorMetadata(KVConnectorMetadata):
     sends: Dict[str, SendStep] = field(default_factory=dict)        # prefill: this step, by request id
     held: Dict[str, str] = field(default_factory=dict)              # prefill: finished, blocks held (id -> tid)
     cancels: Dict[str, str] = field(default_factory=dict)           # decode: tid -> prefill engine (nothing to load)
+    cancel_peers: Dict[str, List[str]] = field(default_factory=dict)  # decode: tid -> every prefill rank's engine
     idle: bool = False                                              # nothing scheduled in this step
 
 
 @dataclass
 class HixlHandshake(KVConnectorHandshakeMetadata):
     engine: str                    # "host:port" of the worker's hixl engine
-    memory: Dict[str, Any]         # its hixl.kv.BlockMemory
-    layout: Dict[str, Any]         # its hixl.kv.KVLayout
+    memory: Optional[Dict[str, Any]] = None  # its hixl.kv.BlockMemory (not sent to routers)
+    layout: Optional[Dict[str, Any]] = None  # its hixl.kv.KVLayout (not sent to routers)

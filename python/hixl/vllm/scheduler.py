@@ -10,16 +10,24 @@ It decides, from each request's ``kv_transfer_params``, what the worker side doe
   its own prefix-cache hit are loaded asynchronously (``get_num_new_matched_tokens`` returns them with
   ``True``); once vLLM allocated their blocks, the worker grants them to the prefill (push) or reads
   the prefill's blocks (pull).
+
+Which contract a router speaks (ours, NIXL's, Mooncake's) is read and written by
+:mod:`hixl.vllm.contracts`; a Mooncake description whose engine id does not name the prefill's hixl
+engines is completed from the prefill's bootstrap endpoint (:class:`~hixl.vllm.lookups.BootstrapLookups`,
+never waited on here: the load starts at a later step). A prefill serves that endpoint
+(:class:`~hixl.vllm.bootstrap.BootstrapServer`) from this process.
 """
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
-from . import messages
+from . import contracts
+from .bootstrap import BootstrapServer
 from .config import ConnectorConfig
+from .lookups import BootstrapLookups
 from .metadata import HixlConnectorMetadata, HixlHandshake, LoadSpec, SendStep
 
 if TYPE_CHECKING:
@@ -28,6 +36,8 @@ if TYPE_CHECKING:
 
 _log = logging.getLogger("hixl.vllm")
 HOLD_STEP_S = 1.0
+_SHOWN = ("transfer_id", "remote_request_id", "remote_engine", "remote_engines", "remote_engine_id", "remote_host",
+          "remote_port", "remote_bootstrap_addr", "tp_size", "mode")
 
 
 @dataclass
@@ -39,26 +49,64 @@ class _Prefill:
 
 
 class HixlScheduler:
-    def __init__(self, config: ConnectorConfig, block_size: int, role: str):
+    def __init__(self, config: ConnectorConfig, block_size: int, role: str, engine_id: str = "hixl",
+                 dp_rank: int = 0, lookups: Optional[BootstrapLookups] = None):
         self.config, self.block_size, self.role = config, block_size, role
-        self.engine: Optional[str] = None      # the worker's hixl engine (from the handshake)
-        self.memory: Optional[Dict[str, Any]] = None
-        self.layout: Optional[Dict[str, Any]] = None
+        self.engine_id, self.dp_rank = engine_id, dp_rank  # vLLM's engine id (kv_transfer_config.engine_id)
+        self.engines: List[str] = []           # the workers' hixl engines by TP rank (from the handshake)
+        self.engine: Optional[str] = None      # engines[0]
         self._prefills: Dict[str, _Prefill] = {}        # prefill requests being computed
         self._held: Dict[str, float] = {}               # finished prefill requests whose blocks we hold (since)
         self._new_held: Dict[str, str] = {}
         self._loads: Dict[str, LoadSpec] = {}           # decode loads to start in the next step
-        self._cancels: Dict[str, str] = {}
+        self._cancels: Dict[str, List[str]] = {}        # decode: tid -> prefill engines (nothing to load)
+        self._lookups = lookups or BootstrapLookups(timeout_s=config.connect_timeout_ms / 1000.0)
+        self._waiting: Dict[str, Tuple[Optional[LoadSpec], Dict[str, Any]]] = {}  # for a bootstrap answer
+        self._bootstrap: Optional[BootstrapServer] = None
 
-    # -- handshake ---------------------------------------------------------------------------
+    # -- handshake, bootstrap endpoint ---------------------------------------------------------------
     def set_handshake(self, metadata: Dict[Any, Any]) -> None:
-        metas = [m for m in metadata.values() if isinstance(m, HixlHandshake)]
-        if len(metas) != 1:
-            raise NotImplementedError(f"HixlConnector serves one worker per instance (tensor and pipeline "
-                                      f"parallel size 1); got handshakes from {sorted(metadata)}")
-        m = metas[0]
-        self.engine, self.memory, self.layout = m.engine, m.memory, m.layout
-        _log.info("hixl.vllm: worker engine %s (%s mode)", self.engine, self.config.mode)
+        """One :class:`HixlHandshake` per TP rank (keyed by rank, or by ``(pp_rank, tp_rank)``)."""
+        by_rank: Dict[int, HixlHandshake] = {}
+        for key, m in metadata.items():
+            pp, tp = key if isinstance(key, tuple) else (0, key)
+            if pp != 0:
+                raise NotImplementedError(f"HixlConnector does not support pipeline parallelism (a handshake "
+                                          f"from pipeline rank {pp}); run with pipeline_parallel_size 1")
+            if isinstance(m, HixlHandshake):
+                by_rank[int(tp)] = m
+        if not by_rank or sorted(by_rank) != list(range(len(by_rank))):
+            raise RuntimeError(f"HixlConnector: handshakes from TP ranks {sorted(by_rank)}, not 0..n-1 "
+                               f"(got {sorted(metadata, key=str)})")
+        self.engines = [by_rank[r].engine for r in range(len(by_rank))]
+        self.engine = self.engines[0]
+        _log.info("hixl.vllm: worker engine(s) %s (%s mode)", ", ".join(self.engines), self.config.mode)
+
+    def engine_id_for_routers(self) -> str:
+        return contracts.encode_engine_id(self.engine_id, self.engines) if self.engines else self.engine_id
+
+    def bootstrap_answer(self) -> Dict[str, Any]:
+        """``GET /query``'s answer, in ``MooncakeBootstrapServer``'s shape (``{}`` before the workers'
+        handshake, as Mooncake's answers before its workers registered)."""
+        if not self.engines:
+            return {}
+        return {str(self.dp_rank): {"engine_id": self.engine_id_for_routers(),
+                                    "worker_addr": {str(r): {"0": e} for r, e in enumerate(self.engines)}}}
+
+    def serve_bootstrap(self) -> Optional[BootstrapServer]:
+        """Starts the bootstrap endpoint (prefill roles, ``bootstrap_port`` not 0). RuntimeError naming
+        the port and the option when it cannot listen."""
+        if self.role == "kv_consumer" or not self.config.bootstrap_port:
+            return None
+        self._bootstrap = BootstrapServer(self.config.host or "0.0.0.0", self.config.bootstrap_port,
+                                          self.bootstrap_answer)
+        self._bootstrap.start()
+        return self._bootstrap
+
+    def close(self) -> None:
+        if self._bootstrap is not None:
+            self._bootstrap.stop()
+            self._bootstrap = None
 
     # -- both roles ------------------------------------------------------------------------------
     @staticmethod
@@ -81,39 +129,88 @@ class HixlScheduler:
         p = self._params(request)
         rid = request.request_id
         if p.get("do_remote_decode") and self.role != "kv_consumer" and rid not in self._prefills:
-            tid = p.get("transfer_id", rid)
-            if not messages.valid_tid(tid):
-                _log.warning("hixl.vllm: request %s has a bad transfer_id %r: its KV is not sent", rid, tid)
+            # a router's transfer_id (ours, Mooncake's), else one from vLLM's request id (NIXL's contract:
+            # the answer's remote_request_id is it)
+            tid = contracts.transfer_id_of(p.get("transfer_id")) or contracts.transfer_id_of(rid)
+            if tid is None:
+                _log.warning("hixl.vllm: request %s has no usable transfer id: its KV is not sent", rid)
                 return
             self._prefills[rid] = _Prefill(tid, request.num_prompt_tokens, [])
             return
         if not p.get("do_remote_prefill") or p.get("_hixl_staged"):
             return
         p["_hixl_staged"] = True  # a re-entry (preemption, a failed load recomputed) loads nothing again
-        tid, peer = p.get("transfer_id"), p.get("remote_engine")
+        want = contracts.describe_remote(p, self.config.mode)
         if num_external_tokens <= 0:
-            if messages.valid_tid(tid) and isinstance(peer, str):
-                self._cancels[tid] = peer  # the prefill need not wait for our grant
+            if want["why"] is None:
+                self._resolve(rid, None, want)  # the prefill need not wait for our grant
             return
-        mode = p.get("mode", "push")
-        if not messages.valid_tid(tid) or not isinstance(peer, str) or mode not in ("push", "pull"):
-            _log.warning("hixl.vllm: request %s: kv_transfer_params lack a valid transfer_id, remote_engine or "
-                         "mode (%r): nothing to load", rid, {k: p.get(k) for k in ("transfer_id", "remote_engine",
-                                                                                      "mode")})
-            tid, peer = tid if messages.valid_tid(tid) else "invalid", peer if isinstance(peer, str) else ""
         (block_ids,) = blocks.get_block_ids()
         n = request.num_prompt_tokens
         first = (n - num_external_tokens) // self.block_size
         nb = -(-n // self.block_size)
-        source = None
-        if mode == "pull":
-            source = {k: p.get(k) for k in ("remote_blocks", "remote_memory", "remote_layout")}
-        self._loads[rid] = LoadSpec(transfer_id=tid, mode=mode, peer=peer, blocks=list(block_ids[first:nb]),
-                                    first_block=first, n_tokens=n, source=source)
+        source = {"remote_blocks": list(want["blocks"])} if want["mode"] == "pull" else None
+        spec = LoadSpec(transfer_id=want["tid"] or "invalid", mode=want["mode"], peer="",
+                        blocks=list(block_ids[first:nb]), first_block=first, n_tokens=n, source=source)
+        if want["why"] is not None:
+            self._fail_load(rid, spec, want["why"], p)
+            return
+        self._resolve(rid, spec, want)
+
+    # -- where the prefill's hixl engines are ------------------------------------------------------
+    def _resolve(self, rid: str, spec: Optional[LoadSpec], want: Dict[str, Any]) -> bool:
+        """Completes a load (or, ``spec`` None, a cancel) once the prefill's engines are known: at once
+        when the params name them, else from the bootstrap answer (False while it is awaited)."""
+        engines = want["engines"]
+        if engines is None:
+            answer, why = self._lookups.get(want["bootstrap"], lambda a: self._has_engine(a, want["engine_id"]))
+            if answer is None and why is None:
+                self._waiting[rid] = (spec, want)
+                return False
+            if answer is not None:
+                try:
+                    engines = contracts.engines_from_query(answer, want["engine_id"])
+                except ValueError as e:
+                    why = f"the bootstrap endpoint {want['bootstrap']} answered no usable engine: {e}"
+            if engines is None:
+                if spec is not None:
+                    self._fail_load(rid, spec, f"no hixl engine for transfer {want['tid']}: {why}", None)
+                return True
+            if want["tp"] is not None and want["tp"] != len(engines):
+                _log.info("hixl.vllm: request %s: tp_size %d, but the bootstrap endpoint names %d rank(s): "
+                          "using those", rid, want["tp"], len(engines))
+        if spec is None:
+            self._cancels[want["tid"]] = list(engines)
+            return True
+        spec.peers, spec.peer, spec.remote_tp = list(engines), engines[0], len(engines)
+        self._loads[rid] = spec
+        return True
+
+    @staticmethod
+    def _has_engine(answer: Any, engine_id: Any) -> bool:
+        return isinstance(answer, dict) and any(isinstance(e, dict) and e.get("engine_id") == engine_id
+                                                for e in answer.values())
+
+    def _fail_load(self, rid: str, spec: LoadSpec, why: str, params: Optional[Dict[str, Any]]) -> None:
+        """The load cannot start: the worker fails it at once (peer ""), so vLLM's kv_load_failure_policy
+        decides (an error, or recomputing the prompt here)."""
+        shown = {k: params.get(k) for k in _SHOWN if k in params} if params is not None else {}
+        _log.warning("hixl.vllm: request %s: nothing to load (%s)%s", rid, why, f"; kv_transfer_params {shown}"
+                     if shown else "")
+        spec.peer, spec.peers = "", []
+        self._loads[rid] = spec
+
+    def _settle_waiting(self) -> None:
+        for rid, (spec, want) in list(self._waiting.items()):
+            del self._waiting[rid]
+            self._resolve(rid, spec, want)  # back in _waiting while the answer is awaited
 
     def build_connector_meta(self, so: "SchedulerOutput") -> HixlConnectorMetadata:
-        meta = HixlConnectorMetadata(loads=self._loads, held=self._new_held, cancels=self._cancels,
-                                     idle=so.total_num_scheduled_tokens == 0)
+        if self._waiting:
+            self._settle_waiting()
+        meta = HixlConnectorMetadata(loads=self._loads, held=self._new_held,
+                                     cancels={t: e[0] for t, e in self._cancels.items()},
+                                     cancel_peers=self._cancels, idle=so.total_num_scheduled_tokens == 0)
         self._loads, self._new_held, self._cancels = {}, {}, {}
         if self._prefills:
             for req in so.scheduled_new_reqs:
@@ -144,25 +241,30 @@ class HixlScheduler:
 
     def request_finished(self, request: "Request", block_ids: list) -> Tuple[bool, Optional[Dict[str, Any]]]:
         rid = request.request_id
+        waiting = self._waiting.pop(rid, None)
+        if waiting is not None and waiting[0] is not None:
+            # aborted while its prefill's engines were looked up: vLLM holds its blocks until the worker
+            # reports the load over, so the load goes to the worker, failed
+            self._fail_load(rid, waiting[0], "the request ended while the bootstrap endpoint was asked", None)
         pf = self._prefills.pop(rid, None)
         if pf is None:
             if self._params(request).get("hixl_discover"):  # a router asking where our engine is
-                return False, {"hixl_discover": True, "remote_engine": self.engine, "mode": self.config.mode,
-                               "role": self.role}
+                return False, {"hixl_discover": True, "remote_engine": self.engine, "remote_engines": self.engines,
+                               "remote_engine_id": self.engine_id_for_routers(), "tp_size": len(self.engines),
+                               "mode": self.config.mode, "role": self.role}
             return False, None
         hold = bool(block_ids)
         if hold:
             self._held[rid] = time.monotonic()
             self._new_held[rid] = pf.transfer_id
-        # what a decoder needs to ask for a push (our engine, the transfer id) or to read (pull) the blocks;
+        if not self.engines:  # no handshake: cannot happen once vLLM serves
+            return hold, None
+        # what a decoder needs to ask for a push or to read (pull) the blocks, in NIXL's fields and ours;
         # "mode" is this instance's preference, a router may choose the other
         nb = -(-pf.n_tokens // self.block_size)
-        params: Dict[str, Any] = {"do_remote_prefill": True, "do_remote_decode": False,
-                                  "transfer_id": pf.transfer_id, "remote_engine": self.engine,
-                                  "mode": self.config.mode, "num_tokens": pf.n_tokens,
-                                  "remote_blocks": list(block_ids[:nb]), "remote_memory": self.memory,
-                                  "remote_layout": self.layout}
-        return hold, params
+        group = block_ids[0] if block_ids and isinstance(block_ids[0], (list, tuple)) else block_ids
+        return hold, contracts.prefill_answer(pf.transfer_id, self.engines, self.engine_id, self.config.mode,
+                                              pf.n_tokens, list(group[:nb]))
 
     def update_connector_output(self, output: Any) -> None:
         for rid in output.finished_sending or ():
