@@ -257,7 +257,7 @@ def test_the_bootstrap_endpoint_is_off_with_port_0_and_on_decoders():
     assert _prefill(bootstrap_port=0).serve_bootstrap() is None
     d = HixlScheduler(ConnectorConfig(bootstrap_port=_free_port()), TOKENS, "kv_consumer")
     assert d.serve_bootstrap() is None
-    assert ConnectorConfig.parse({}, env={}).bootstrap_port == 8998
+    assert ConnectorConfig.parse({}, env={}).bootstrap_port is None  # 8998 when free
     assert ConnectorConfig.parse({}, env={"HIXL_VLLM_BOOTSTRAP_PORT": "0"}).bootstrap_port == 0
     with pytest.raises(ValueError, match="bootstrap_port"):
         ConnectorConfig.parse({"bootstrap_port": 70000}, env={})
@@ -272,6 +272,20 @@ def test_a_busy_bootstrap_port_is_a_start_up_error_naming_it():
         with pytest.raises(RuntimeError, match=rf"127\.0\.0\.1:{port} \(it is in use\).*'bootstrap_port'.*"
                                                r"HIXL_VLLM_BOOTSTRAP_PORT"):
             s.serve_bootstrap()
+
+
+def test_the_default_bootstrap_port_busy_is_a_warning_not_an_error(monkeypatch, caplog):
+    """A second prefill on one host with the defaults: it starts, without the endpoint, and says so."""
+    from hixl.vllm import scheduler as sched_mod
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        monkeypatch.setattr(sched_mod, "DEFAULT_BOOTSTRAP_PORT", busy.getsockname()[1])
+        s = _prefill(host="127.0.0.1")
+        with caplog.at_level(logging.WARNING, logger="hixl.vllm"):
+            assert s.serve_bootstrap() is None
+        assert "it is in use" in caplog.text and "Serving no bootstrap endpoint" in caplog.text, caplog.text
+        s.close()
 
 
 # ---------------------------------------------------------------------------------- a decoder's lookups

@@ -11,6 +11,7 @@ __all__ = ["ConnectorConfig", "OPTIONS"]
 
 _TRANSPORTS = ("auto", "rdma", "shm", "tcp")
 _MODES = ("push", "pull")
+DEFAULT_BOOTSTRAP_PORT = 8998  # Mooncake's
 
 
 def _choice(allowed: Tuple[str, ...]) -> Callable[[Any], str]:
@@ -71,10 +72,11 @@ OPTIONS: Dict[str, Tuple[str, Callable[[Any], Any], Any, str]] = {
     "idle_wait_ms": ("HIXL_VLLM_IDLE_WAIT_MS", _number(float, 0, 1000), 5.0,
                      "decoder: in a step with nothing to compute, wait up to this long on the completion-flag fd "
                      "(blocking, no spin) instead of letting vLLM step again after 1 ms"),
-    "bootstrap_port": ("HIXL_VLLM_BOOTSTRAP_PORT", _number(int, 0, 65535), 8998,
+    "bootstrap_port": ("HIXL_VLLM_BOOTSTRAP_PORT", _number(int, 0, 65535), None,
                        "prefill (kv_producer, kv_both): port of the Mooncake-compatible bootstrap endpoint "
                        "(GET /query names the hixl engine of each rank; vllm-router's mooncake mode asks it); "
-                       "0 turns it off"),
+                       "0 turns it off. Unset: 8998 (Mooncake's default) when it is free, else none (a warning "
+                       "says so: a second prefill on one host); set: that port, or start-up fails"),
 }
 
 
@@ -90,7 +92,7 @@ class ConnectorConfig:
     max_inflight: int = 64
     connect_timeout_ms: int = 5000
     idle_wait_ms: float = 5.0
-    bootstrap_port: int = 8998
+    bootstrap_port: Optional[int] = None  # None: DEFAULT_BOOTSTRAP_PORT when free
 
     @classmethod
     def parse(cls, extra: Optional[Mapping[str, Any]], env: Optional[Mapping[str, str]] = None) -> "ConnectorConfig":

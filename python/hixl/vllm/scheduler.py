@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from . import contracts
 from .bootstrap import BootstrapServer
-from .config import ConnectorConfig
+from .config import DEFAULT_BOOTSTRAP_PORT, ConnectorConfig
 from .lookups import BootstrapLookups
 from .metadata import HixlConnectorMetadata, HixlHandshake, LoadSpec, SendStep
 
@@ -96,11 +96,19 @@ class HixlScheduler:
     def serve_bootstrap(self) -> Optional[BootstrapServer]:
         """Starts the bootstrap endpoint (prefill roles, ``bootstrap_port`` not 0). RuntimeError naming
         the port and the option when it cannot listen."""
-        if self.role == "kv_consumer" or not self.config.bootstrap_port:
+        port = self.config.bootstrap_port
+        if self.role == "kv_consumer" or port == 0:
             return None
-        self._bootstrap = BootstrapServer(self.config.host or "0.0.0.0", self.config.bootstrap_port,
+        self._bootstrap = BootstrapServer(self.config.host or "0.0.0.0", port or DEFAULT_BOOTSTRAP_PORT,
                                           self.bootstrap_answer)
-        self._bootstrap.start()
+        try:
+            self._bootstrap.start()
+        except RuntimeError as e:
+            self._bootstrap = None
+            if port is not None:
+                raise
+            _log.warning("%s. Serving no bootstrap endpoint: vllm-router's mooncake mode cannot find this "
+                         "prefill (the other contracts are not affected)", e)
         return self._bootstrap
 
     def close(self) -> None:
