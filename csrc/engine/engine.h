@@ -39,7 +39,8 @@
 // (bounded by a deadline and by kMaxHandshakes); the progress thread serves the control connections,
 // reading each incrementally (a peer that stops in the middle of a frame holds up no other link) and
 // queueing its replies per link (a peer that stops reading holds up no other link: link.h);
-// the watchdog sends heartbeats (queued too) and expires requests. The data path never involves the receiver's CPU.
+// the watchdog sends heartbeats (queued too), closes links whose peer is dead (a silent peer that is
+// provably alive is slow, not dead: liveness.h) and expires requests. The data path never involves the receiver's CPU.
 //
 // Every public method returns a hixl status code (or a pair starting with one) and never throws.
 #pragma once
