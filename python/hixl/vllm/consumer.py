@@ -180,6 +180,8 @@ class Consumer:
             with self._lock:
                 load.linked, load.job = True, "done"
         except (ConnectionError, kv.KVError, ValueError, KeyError, TypeError) as e:
+            if spec.mode == "pull" and part is not None:
+                self.peers.forget(part.peer)  # what we knew of it may be stale: ask again next time
             with self._lock:
                 load.linked = load.linked or part is not load.parts[0]  # an earlier part went out
                 load.job = "failed"
@@ -192,11 +194,15 @@ class Consumer:
         spec = load.spec
         src = spec.source or {}
         heads: Optional[Dict[str, Any]] = None
-        if "remote_memory" in src and part.want is None:
+        if "remote_memory" in src and load.remote_tp == 1:  # a prefill that sends its memory map along
             layout, memory = src.get("remote_layout"), src["remote_memory"]
         else:
             d = self.peers.get(part.peer)
             layout, memory = d["layout"], d["memory"]
+            if (d["rank"], d["tp"]) != (part.q, load.remote_tp):
+                self.peers.forget(part.peer)
+                raise kv.KVError(f"the prefill engine {part.peer} is rank {d['rank']} of TP {d['tp']}, the request "
+                                 f"names it rank {part.q} of TP {load.remote_tp}")
             if d["interior"].split("(")[0] != self.interior.split("(")[0]:
                 raise kv.KVError(f"the prefill's KV blocks are {d['interior']}, ours {self.interior}")
             if part.want is not None:

@@ -257,7 +257,16 @@ class HixlWorker:
         except (ValueError, KeyError, TypeError) as e:
             _log.warning("hixl.vllm: malformed describe %s: %r (%s)", nonce, msg[:200], e)
             return
-        self.links.post(asker, "described", nonce, json.dumps(self.description(), separators=(",", ":")))
+        payload = json.dumps(self.description(), separators=(",", ":"))
+
+        def answer() -> None:
+            try:
+                self.links.send(asker, "described", nonce, payload, connect=False)
+            except (ConnectionError, ValueError) as e:
+                _log.info("hixl.vllm: the answer to describe %s from %s was not delivered: %s", nonce, asker, e)
+        # a thread of its own (describes are rare: once per peer), not the jobs thread, which may itself
+        # be waiting for this peer's answer to a describe of ours (two kv_both instances)
+        threading.Thread(target=answer, name="hixl-vllm-describe", daemon=True).start()
 
     # -- per step ------------------------------------------------------------------------------
     # Each hook below is vLLM's forward thread: a bug in it is logged, never raised into the step (the
