@@ -381,3 +381,49 @@ def test_describe_messages_travel_in_parts_like_grants():
     assert got == json.loads(big)
     assert messages.decode_name("hixl.vllm/describe/q7") == ("describe", "q7", 0, 1)
     assert len(messages.encode("describe", "q7", "x" * 5000)) == 1  # not a parted kind: one notify
+
+
+# ------------------------------------------------------------------- the connector and the worker
+def _vllm_config(tp, pp):
+    from types import SimpleNamespace as NS
+    return NS(kv_transfer_config=NS(kv_connector_extra_config={}, kv_role="kv_consumer", engine_id="e"),
+              parallel_config=NS(tensor_parallel_size=tp, pipeline_parallel_size=pp),
+              model_config=NS(get_total_num_kv_heads=lambda: 8))
+
+
+def _kv_cache_config():
+    from types import SimpleNamespace as NS
+    spec = NS(block_size=16, num_kv_heads=4, head_size=64)
+    return NS(kv_cache_groups=[NS(kv_cache_spec=spec)], num_blocks=10)
+
+
+def test_the_connector_serves_tensor_parallel_ranks_and_refuses_pipeline_parallel(monkeypatch):
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from hixl.vllm import connector
+    monkeypatch.setattr(connector, "_tp_rank", lambda tp: (1, tp))
+    c = connector.HixlConnector(_vllm_config(2, 1), KVConnectorRole.WORKER, _kv_cache_config())
+    w = c._worker
+    assert (w.rank, w.tp_size, w.total_kv_heads, w.num_kv_heads) == (1, 2, 8, 4)
+    with pytest.raises(NotImplementedError, match="pipeline parallelism: pipeline_parallel_size must be 1"):
+        connector.HixlConnector(_vllm_config(2, 2), KVConnectorRole.WORKER, _kv_cache_config())
+
+
+@pytest.mark.parametrize("interior,order,row", [
+    ("float32:packed(4, 16, 128)", "head", 512),       # CPU [blocks, heads, tokens, 2 * head]
+    ("float16:kv-outer(16, 4, 64)", "token", 128),     # GPU NHD [2, blocks, tokens, heads, head]
+    ("float16:kv-outer(4, 16, 64)", "head", 128),      # GPU HND [2, blocks, heads, tokens, head]
+    ("bfloat16:kv-inner(4, 16, 64)", "head", 128),     # [blocks, 2, heads, tokens, head]
+    ("bfloat16:kv-inner(16, 4, 64)", "token", 128),    # [blocks, 2, tokens, heads, head]
+])
+def test_a_workers_head_slice_comes_from_its_blocks_interior(interior, order, row):
+    from hixl.vllm.worker import head_slice_of
+    hs = head_slice_of(interior, 4, 16, 4, 8)
+    assert (hs.lo, hs.hi, hs.order, hs.tokens, hs.row) == (4, 8, order, 16, row)
+
+
+def test_a_head_slice_is_not_guessed_where_tokens_and_heads_cannot_be_told_apart():
+    from hixl.vllm.worker import head_slice_of
+    assert head_slice_of("float16:kv-outer(16, 16, 64)", 16, 16, 0, 16) is None  # NHD or HND?
+    assert head_slice_of("float32:packed(16, 16, 128)", 16, 16, 0, 16).order == "head"  # the CPU layout is known
+    assert head_slice_of("float16:kv-outer(8, 4, 64)", 4, 16, 0, 4) is None  # not this block size
