@@ -42,5 +42,6 @@ from .sender import KVSender, union_seconds
 
 __all__ = [
     "KVError", "PoolExhausted", "KVTimeout", "TransferFailed",
-    "KVLayout", "BlockMemory", "HeadSlice", "head_range", "head_sources", "sliced_desc_array", "block_desc_array", "block_descs", "KVPool", "Grant", "KVReceiver", "KVSender", "union_seconds",
+    "KVLayout", "BlockMemory", "block_desc_array", "block_descs", "KVPool", "Grant", "KVReceiver", "KVSender",
+    "union_seconds", "HeadSlice", "head_range", "head_sources", "sliced_desc_array",
 ]

@@ -85,7 +85,8 @@ class Consumer:
         self.engine, self.pool, self.layout, self.config = engine, pool, layout, config
         self.stats, self.links, self.interior = stats, links, interior
         self.rank, self.tp, self.total_heads = tp[0], tp[1], tp[2] or layout.n_kv_heads * tp[1]
-        self.peers = peers if peers is not None else PeerBook(links, engine.local_engine, config.connect_timeout_ms / 1e3)
+        self.peers = peers if peers is not None else PeerBook(links, engine.local_engine,
+                                                              config.connect_timeout_ms / 1000.0)
         self.rx = kv.KVReceiver(engine, layout, pool=pool, heads=heads)
         self._lock = threading.Lock()
         self._loads: Dict[str, _Load] = {}
@@ -134,7 +135,8 @@ class Consumer:
         lo, hi = head_range(self.rank, self.tp, self.total_heads)
         if self.rank == 0:  # prefill ranks holding only replicas nobody reads: the lowest rank frees them
             load.idle = [peers[q] for q in range(remote_tp) if not head_fanin(q, remote_tp, self.tp, self.total_heads)]
-        return [(q, peers[q], (a, b)) for q, a, b in head_sources(lo, hi, remote_tp, self.total_heads, prefer=self.rank)]
+        return [(q, peers[q], (a, b))
+                for q, a, b in head_sources(lo, hi, remote_tp, self.total_heads, prefer=self.rank)]
 
     def _expect(self, load: _Load) -> None:
         spec = load.spec

@@ -72,8 +72,8 @@ def decode_name(name: str) -> Optional[Tuple[str, str, int, int]]:
 
 
 class Reassembler:
-    """Grants (and other PARTED messages: key them by kind and id) arriving in parts: bounded (at most ``max_pending`` incomplete ones, each dropped
-    ``ttl_s`` after its first part)."""
+    """Grants (and the other PARTED messages: key them by kind and id) arriving in parts: bounded (at
+    most ``max_pending`` incomplete ones, each dropped ``ttl_s`` after its first part)."""
 
     def __init__(self, max_pending: int = 4096, ttl_s: float = 60.0):
         self._parts: Dict[str, Tuple[float, int, Dict[int, str]]] = {}

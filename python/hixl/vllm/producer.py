@@ -34,9 +34,9 @@ _MAX_REMEMBERED = 4096  # transfer ids remembered as expired/cancelled (late gra
 
 
 class _Send:
-    __slots__ = ("rid", "tid", "n_tokens", "blocks", "grants", "decoders", "fanin", "attached", "dead", "phase", "step", "done_upto",
-                 "t_start", "t_computed", "t_finished", "released", "cancel", "added", "stale", "aborted_sent",
-                 "busy", "lock", "cancelled_by", "first_grant")
+    __slots__ = ("rid", "tid", "n_tokens", "blocks", "grants", "decoders", "fanin", "attached", "dead", "phase",
+                 "step", "done_upto", "t_start", "t_computed", "t_finished", "released", "cancel", "added", "stale",
+                 "aborted_sent", "busy", "lock", "cancelled_by", "first_grant")
 
     def __init__(self, rid: str, tid: str, n_tokens: int):
         self.rid, self.tid, self.n_tokens = rid, tid, n_tokens
@@ -251,7 +251,8 @@ class Producer:
                 while len(self._grants) > _MAX_REMEMBERED:
                     old_tid, (old, _, _) = self._grants.popitem(last=False)
                     for x in old:
-                        self.links.post(x.decode, "abort", old_tid, "too many grants for requests the prefill never saw")
+                        self.links.post(x.decode, "abort", old_tid,
+                                        "too many grants for requests the prefill never saw")
                 return None, None
             if g.decode in s.decoders or any(x.decode == g.decode for x in s.grants):
                 _log.warning("hixl.vllm: a second grant for %s from %s: ignored", tid, g.decode)
