@@ -112,6 +112,8 @@ class Rank:
             self.part.on_grant(tid, json.loads(payload))
         elif kind == "release":
             self.part.on_release(tid, payload)
+        elif kind == "cancel":
+            self.part.on_cancel(tid, payload)
         elif kind == "describe":
             d = {"engine": self.addr, "memory": self.pool.memory.to_dict(), "layout": dict(vars(self.layout)),
                  "interior": self.interior, "heads": self.side.heads.to_dict(), "rank": self.rank, "tp": self.tp,
@@ -427,3 +429,24 @@ def test_a_head_slice_is_not_guessed_where_tokens_and_heads_cannot_be_told_apart
     assert head_slice_of("float16:kv-outer(16, 16, 64)", 16, 16, 0, 16) is None  # NHD or HND?
     assert head_slice_of("float32:packed(16, 16, 128)", 16, 16, 0, 16).order == "head"  # the CPU layout is known
     assert head_slice_of("float16:kv-outer(8, 4, 64)", 4, 16, 0, 4) is None  # not this block size
+
+
+def test_a_cancel_from_the_scheduler_reaches_every_prefill_rank_it_names(net):
+    _, prefills, decoders = _pd(net, 2, 1)
+    for p in prefills:
+        _compute(p)
+    decoders[0].part.start(HixlConnectorMetadata(cancels={"t": [p.addr for p in prefills]}))
+    assert sorted(b for _, b, kind, _ in net.log if kind == "cancel") == sorted(p.addr for p in prefills)
+    for p in prefills:  # nothing will be sent: each confirms (its inbox ticks) and frees the blocks
+        assert _until_set(lambda: (p.part.tick(), p.part.finished({"r"}))[1]) == {"r"}
+    assert sorted(a for a, _, kind, _ in net.log if kind == "cancelled") == sorted(p.addr for p in prefills)
+
+
+def _until_set(fn, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = fn()
+        if v:
+            return v
+        time.sleep(0.01)
+    return set()

@@ -97,9 +97,10 @@ class Consumer:
 
     # -- new loads (forward thread, before the forward pass) -----------------------------------
     def start(self, meta: HixlConnectorMetadata) -> None:
-        for tid, peer in meta.cancels.items():
-            self.links.post(peer, "cancel", tid, json.dumps({"decode": self.engine.local_engine,
-                                                             "why": "the decoder holds the whole prompt already"}))
+        for tid, peers in meta.cancels.items():  # a prefill engine, or (TP) a list of them
+            for peer in [peers] if isinstance(peers, str) else peers:
+                self.links.post(peer, "cancel", tid, json.dumps({"decode": self.engine.local_engine,
+                                                                 "why": "the decoder holds the whole prompt already"}))
         for rid, spec in meta.loads.items():
             load = _Load(rid, spec, self.config.timeout_s)
             with self._lock:
