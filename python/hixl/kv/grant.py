@@ -46,6 +46,8 @@ class Grant:
     def to_dict(self) -> Dict[str, Any]:
         d = asdict(self)
         d["blocks"], d["layers"] = list(self.blocks), list(self.layers)
+        if d["heads"] is None:  # whole blocks: the dict an older peer knows
+            del d["heads"]
         return d
 
     @classmethod
