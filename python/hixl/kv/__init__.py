@@ -12,6 +12,9 @@ What an inference engine imports. It sits on :class:`hixl.Hixl` and so runs over
   inside); :meth:`KVReceiver.expect` and :meth:`KVSender.add_request` then work on the owner's block
   ids, with no staging copy. :func:`block_desc_array` is the one place transfer descriptors are built: a
   numpy descriptor array per transfer, no Python object per descriptor.
+* Tensor parallelism with a different TP on the two sides: a :class:`HeadSlice` says which KV heads a
+  side's blocks hold; :func:`sliced_desc_array` moves only the heads both hold, in place (a grant or a
+  pull source with ``heads`` does so).
 * :class:`KVReceiver` (decode side) - hands out request *slots* (a block table and a ticket) as
   :class:`Grant` objects, learns that a request's KV is complete from its completion flag, and gives
   back the K/V. Three ways to wait: :meth:`KVReceiver.poll` (non-blocking), :meth:`KVReceiver.wait`
@@ -31,6 +34,7 @@ another request's blocks.
 """
 from .errors import KVError, KVTimeout, PoolExhausted, TransferFailed
 from .grant import Grant
+from .heads import HeadSlice, head_range, head_sources, sliced_desc_array
 from .layout import BlockMemory, KVLayout, block_desc_array, block_descs
 from .pool import KVPool
 from .receiver import KVReceiver
@@ -38,5 +42,6 @@ from .sender import KVSender, union_seconds
 
 __all__ = [
     "KVError", "PoolExhausted", "KVTimeout", "TransferFailed",
-    "KVLayout", "BlockMemory", "block_desc_array", "block_descs", "KVPool", "Grant", "KVReceiver", "KVSender", "union_seconds",
+    "KVLayout", "BlockMemory", "block_desc_array", "block_descs", "KVPool", "Grant", "KVReceiver", "KVSender",
+    "union_seconds", "HeadSlice", "head_range", "head_sources", "sliced_desc_array",
 ]

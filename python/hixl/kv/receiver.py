@@ -14,6 +14,7 @@ from ..engine import Hixl
 from ..types import ALREADY_CONNECTED, READ, SUCCESS, TransferStatus
 from .errors import KVError, KVTimeout, PoolExhausted, TransferFailed
 from .grant import Grant
+from .heads import HeadSlice, check_sliced, layouts_match, sliced_desc_array
 from .layout import KVLayout, block_desc_array
 from .pool import KVPool, _Ids
 
@@ -42,8 +43,9 @@ class KVReceiver:
 
     def __init__(self, engine: Hixl, layout: KVLayout, num_blocks: Optional[int] = None, *,
                  max_requests: Optional[int] = None, aux_bytes: int = 256, memory: str = "acl",
-                 pool: Optional[KVPool] = None):
-        self.engine, self.layout = engine, layout
+                 pool: Optional[KVPool] = None, heads: Optional[HeadSlice] = None):
+        """``heads``: the KV heads our blocks hold (tensor parallelism), for head-sliced grants and pulls."""
+        self.engine, self.layout, self.heads = engine, layout, heads
         self._own_pool = pool is None  # a pool passed in is the caller's: close() leaves it open
         if pool is None:
             if num_blocks is None:
@@ -119,14 +121,22 @@ class KVReceiver:
                 self._pump_locked(0.05 if left is None else min(0.05, left))
 
     def expect(self, request_id: str, blocks: Sequence[int], n_tokens: int, *, first_block: int = 0,
-               layers: Optional[Tuple[int, int]] = None, prefill: Optional[str] = None) -> Grant:
+               layers: Optional[Tuple[int, int]] = None, prefill: Optional[str] = None,
+               want: Optional[Tuple[int, int]] = None) -> Grant:
         """A slot over blocks the caller allocated in a wrapped pool (:meth:`KVPool.wrap`):
         ``blocks[k]`` is to hold the request's block ``first_block + k`` (the first ``first_block``
         blocks the caller has already, e.g. from a prefix cache). The grant has no aux area.
 
         The caller owns the blocks: before it reuses those of a slot that failed or was freed
         before its KV arrived, it must make sure the prefill can no longer write them (its link
-        is gone: ``engine.disconnect``)."""
+        is gone: ``engine.disconnect``).
+
+        ``want``: only the KV heads ``[a, b)`` come from this slot's prefill (head-sliced: the
+        receiver's ``heads`` go with the grant); several slots over the same blocks then take their
+        heads from several prefills, each completed by its own flag."""
+        if want is not None and self.heads is None:
+            raise ValueError("expect(want=...) needs a KVReceiver with heads=")
+        heads = None if want is None else {"slice": self.heads.to_dict(), "want": [int(want[0]), int(want[1])]}
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id must be a non-empty str")
         if not isinstance(n_tokens, int) or isinstance(n_tokens, bool) or n_tokens <= 0:
@@ -146,7 +156,7 @@ class KVReceiver:
             g = Grant(request_id=request_id, decode=self.engine.local_engine, ticket=ticket, blocks=blocks,
                       n_tokens=n_tokens, layers=(lo, hi), pool_addr=self.pool.addr, num_blocks=self.pool.num_blocks,
                       aux_addr=0, aux_bytes=0, layout=asdict(self.layout), prefill=prefill, first_block=first_block,
-                      memory=self.pool.memory.to_dict())
+                      memory=self.pool.memory.to_dict(), heads=heads)
             slot = _Slot(g, None)
             self._slots[request_id] = slot
             self._by_ticket[ticket] = slot
@@ -167,15 +177,7 @@ class KVReceiver:
             if slot.complete or slot.pull:
                 raise KVError(f"request {request_id!r} is already complete or being pulled")
         g = slot.grant
-        if src.layout != g.layout or src.n_tokens != g.n_tokens:
-            raise KVError(f"kv: pull of {request_id!r}: the source holds {src.n_tokens} tokens in layout "
-                          f"{src.layout}, the slot wants {g.n_tokens} in {g.layout}")
-        remote = src.request_blocks()
-        js = range(g.first_block, self.layout.blocks_for(g.n_tokens))
-        if len(remote) < self.layout.blocks_for(g.n_tokens) or any(remote[j] is None for j in js):
-            raise KVError(f"kv: pull of {request_id!r}: the source lacks blocks {list(js)}")
-        descs = block_desc_array(self.layout, self.pool.memory, g.request_blocks(), src.block_memory(self.layout),
-                                 remote, range(*g.layers), g.n_tokens, js)
+        descs = self._pull_descs(request_id, g, src)
         if self.engine.get_transport(src.decode)[0] != SUCCESS:
             rc = self.engine.connect(src.decode, 10000 if timeout_ms is None else max(1, int(timeout_ms)))
             if rc not in (SUCCESS, ALREADY_CONNECTED):
@@ -188,6 +190,37 @@ class KVReceiver:
             slot.pull_bytes = int(descs[:, 2].sum())
             self._pulls[request_id] = slot
         return slot.pull_bytes
+
+    def _pull_descs(self, request_id: str, g: Grant, src: Grant) -> np.ndarray:
+        """The READ descriptors of a pull: whole blocks, or (``src.heads``: the source's HeadSlice and
+        the heads wanted from it) only those heads, into their place in our blocks."""
+        try:
+            theirs, want = src.head_slice()
+        except ValueError as e:
+            raise KVError(str(e)) from None
+        if not layouts_match(src.layout, g.layout, theirs is not None) or src.n_tokens != g.n_tokens:
+            raise KVError(f"kv: pull of {request_id!r}: the source holds {src.n_tokens} tokens in layout "
+                          f"{src.layout}, the slot wants {g.n_tokens} in {g.layout}")
+        remote = src.request_blocks()
+        js = range(g.first_block, self.layout.blocks_for(g.n_tokens))
+        if len(remote) < self.layout.blocks_for(g.n_tokens) or any(remote[j] is None for j in js):
+            raise KVError(f"kv: pull of {request_id!r}: the source lacks blocks {list(js)}")
+        if theirs is None:
+            return block_desc_array(self.layout, self.pool.memory, g.request_blocks(), src.block_memory(self.layout),
+                                    remote, range(*g.layers), g.n_tokens, js)
+        try:
+            if self.heads is None:
+                raise ValueError("the source is head-sliced, this receiver has no HeadSlice of its own")
+            mem = src.block_memory(self.layout)
+            check_sliced(mem, theirs, self.layout.n_layers, "the source's memory")
+            descs = sliced_desc_array(self.pool.memory, self.heads, g.request_blocks(), mem, theirs, remote,
+                                      range(*g.layers), js, want=want)
+        except (TypeError, ValueError) as e:
+            raise KVError(f"kv: pull of {request_id!r}: {e}") from e
+        if not len(descs):
+            raise KVError(f"kv: pull of {request_id!r}: the source holds none of heads {want} ({theirs}, ours "
+                          f"{self.heads})")
+        return descs
 
     def fail(self, request_id: str, why: str) -> None:
         """Ends a slot that will not complete (its prefill died, its time ran out): it is dropped

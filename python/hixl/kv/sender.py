@@ -14,6 +14,7 @@ from ..engine import Hixl
 from ..types import SUCCESS, TransferStatus, WRITE
 from .errors import KVError, KVTimeout, TransferFailed
 from .grant import Grant
+from .heads import HeadSlice, check_sliced, head_runs, layouts_match, sliced_desc_array
 from .layout import BlockMemory, KVLayout, block_desc_array
 from .pool import KVPool
 
@@ -21,10 +22,12 @@ _log = logging.getLogger("hixl.kv")
 
 
 class _Target:
-    __slots__ = ("grant", "memory", "remote", "js", "pushed", "flagged", "aux_slot", "failed", "fail_sent")
+    __slots__ = ("grant", "memory", "remote", "js", "pushed", "flagged", "aux_slot", "failed", "fail_sent", "heads",
+                 "want")
 
     def __init__(self, grant: Grant, memory: BlockMemory, js: range, aux_slot: Optional[int]):
         self.grant, self.memory, self.js = grant, memory, js
+        self.heads, self.want = grant.head_slice()  # the decoder's heads, those it wants from us (or None)
         self.remote = grant.request_blocks()  # the decoder's block of each request block j
         self.pushed: set = set()  # (layer, j) pairs sent
         self.flagged = False
@@ -83,10 +86,11 @@ class KVSender:
     def __init__(self, engine: Hixl, layout: KVLayout, num_blocks: Optional[int] = None, *,
                  max_requests: Optional[int] = None, max_targets: int = 8, aux_bytes: int = 256,
                  memory: str = "acl", max_inflight: int = 64, timeout: float = 60.0,
-                 pool: Optional[KVPool] = None):
+                 pool: Optional[KVPool] = None, heads: Optional[HeadSlice] = None):
         """``max_requests`` requests at once (default ``num_blocks``), each sent to at most
-        ``max_targets`` decoders on average (each target stages its aux bytes in a slot of its own)."""
-        self.engine, self.layout = engine, layout
+        ``max_targets`` decoders on average (each target stages its aux bytes in a slot of its own).
+        ``heads``: the KV heads our blocks hold (tensor parallelism), which head-sliced grants need."""
+        self.engine, self.layout, self.heads = engine, layout, heads
         self._own_pool = pool is None  # a pool passed in is the caller's: close() leaves it open
         if pool is None:
             if num_blocks is None:
@@ -179,7 +183,11 @@ class KVSender:
         r = self._req(request_id)
         if g.request_id != request_id:
             raise KVError(f"grant is for request {g.request_id!r}, not {request_id!r}")
-        if g.layout != asdict(self.layout):
+        try:
+            theirs, want = g.head_slice()
+        except ValueError as e:
+            raise KVError(str(e)) from None
+        if not layouts_match(g.layout, asdict(self.layout), theirs is not None):
             raise KVError(f"grant for {request_id!r} has layout {g.layout}, this sender has {asdict(self.layout)}")
         if g.n_tokens != r.n_tokens:
             raise KVError(f"grant for {request_id!r} is for {g.n_tokens} tokens, the request has {r.n_tokens}")
@@ -188,14 +196,7 @@ class KVSender:
                 or not 0 <= g.layers[0] < g.layers[1] <= self.layout.n_layers):
             raise KVError(f"grant for {request_id!r} is malformed: {len(g.blocks)} blocks from block "
                           f"{g.first_block!r}, layers {g.layers}")
-        try:
-            mem = g.block_memory(self.layout)
-            mem.check(self.layout)
-        except (TypeError, ValueError) as e:
-            raise KVError(f"grant for {request_id!r} has a bad memory description: {e}") from e
-        if mem.parts != self.pool.memory.parts or mem.unit_bytes != self.pool.memory.unit_bytes:
-            raise KVError(f"grant for {request_id!r}: the decoder packs its blocks differently ({mem.parts} parts "
-                          f"of {mem.unit_bytes} B, ours {self.pool.memory.parts} of {self.pool.memory.unit_bytes} B)")
+        mem = self._target_memory(request_id, g, theirs, want)
         if any(not 0 <= b < mem.num_blocks for b in g.blocks):
             raise KVError(f"grant for {request_id!r} names blocks outside the decoder's pool of {mem.num_blocks}")
         if self.engine.get_transport(g.decode)[0] != SUCCESS:  # not linked yet: connect now
@@ -211,6 +212,26 @@ class KVSender:
                 aux_slot = self.pool.aux_slots.take(1, 0.0)[0]
             r.targets.append(_Target(g, mem, range(g.first_block, nb), aux_slot))
 
+    def _target_memory(self, request_id: str, g: Grant, theirs: Optional[HeadSlice],
+                       want: Optional[Tuple[int, int]]) -> BlockMemory:
+        """The grant's decoder memory, checked against our blocks (whole, or head-sliced)."""
+        try:
+            mem = g.block_memory(self.layout)
+            if theirs is None:
+                mem.check(self.layout)
+            else:
+                if self.heads is None:
+                    raise ValueError("the grant is head-sliced, this sender has no HeadSlice of its own")
+                check_sliced(mem, theirs, self.layout.n_layers, "the decoder's memory")
+                if not len(head_runs(self.heads, theirs, want)):
+                    raise ValueError(f"it wants heads {want} of {theirs}, we hold {self.heads}: none in common")
+        except (TypeError, ValueError) as e:
+            raise KVError(f"grant for {request_id!r} has a bad memory description: {e}") from e
+        if mem.parts != self.pool.memory.parts or (theirs is None and mem.unit_bytes != self.pool.memory.unit_bytes):
+            raise KVError(f"grant for {request_id!r}: the decoder packs its blocks differently ({mem.parts} parts "
+                          f"of {mem.unit_bytes} B, ours {self.pool.memory.parts} of {self.pool.memory.unit_bytes} B)")
+        return mem
+
     def targets(self, request_id: str) -> List[str]:
         """The decoders this request goes to."""
         with self._cv:
@@ -218,7 +239,10 @@ class KVSender:
 
     def _descs(self, r: _Request, t: _Target, layers: List[int], js: Iterable[int]) -> np.ndarray:
         """One descriptor per (layer, K|V, block), adjacent ones merged: a descriptor array (no
-        Python object per descriptor)."""
+        Python object per descriptor); head-sliced targets get only the heads they want."""
+        if t.heads is not None:
+            return sliced_desc_array(self.pool.memory, self.heads, r.blocks, t.memory, t.heads, t.remote, layers, js,
+                                     want=t.want)
         return block_desc_array(self.layout, self.pool.memory, r.blocks, t.memory, t.remote, layers, r.n_tokens, js)
 
     def _set_aux(self, r: _Request, aux: Optional[bytes]) -> None:

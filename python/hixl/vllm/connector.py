@@ -40,6 +40,15 @@ def _log_like_vllm() -> None:
     ours.propagate = False
 
 
+def _tp_rank(tp_size: int) -> tuple:
+    """This worker's tensor-parallel (rank, size): vLLM's TP group once it is up (each rank's worker
+    has an engine of its own, on ``port + rank``)."""
+    if tp_size == 1:
+        return 0, 1
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+    return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+
+
 class HixlConnector(KVConnectorBase_V1):
     """Prefill/decode disaggregation over hixl: layer-wise push (default) or pull, zero copy in place.
 
@@ -55,9 +64,9 @@ class HixlConnector(KVConnectorBase_V1):
         ktc = vllm_config.kv_transfer_config
         self.config = ConnectorConfig.parse(ktc.kv_connector_extra_config)
         pc = vllm_config.parallel_config
-        if pc.tensor_parallel_size != 1 or pc.pipeline_parallel_size != 1:
-            raise NotImplementedError(f"HixlConnector supports tensor_parallel_size=1 and pipeline_parallel_size=1 "
-                                      f"(got {pc.tensor_parallel_size} and {pc.pipeline_parallel_size})")
+        if pc.pipeline_parallel_size != 1:
+            raise NotImplementedError(f"HixlConnector does not support pipeline parallelism: pipeline_parallel_size "
+                                      f"must be 1 (got {pc.pipeline_parallel_size}); tensor parallelism is supported")
         if kv_cache_config is None or len(kv_cache_config.kv_cache_groups) != 1:
             raise NotImplementedError("HixlConnector supports models with one KV cache group (full attention)")
         spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
@@ -70,8 +79,10 @@ class HixlConnector(KVConnectorBase_V1):
                                             dp_rank=pc.data_parallel_rank)
             self._scheduler.serve_bootstrap()  # prefill roles: GET /query on bootstrap_port (0: none)
         else:
+            rank, tp = _tp_rank(pc.tensor_parallel_size)
             self._worker = HixlWorker(self.config, self.kv_role, ktc.engine_id, kv_cache_config.num_blocks,
-                                      spec.block_size, spec.num_kv_heads, spec.head_size)
+                                      spec.block_size, spec.num_kv_heads, spec.head_size, rank=rank, tp_size=tp,
+                                      total_kv_heads=vllm_config.model_config.get_total_num_kv_heads() if tp > 1 else 0)
 
     # -- worker side --------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: Dict[str, Any]) -> None:

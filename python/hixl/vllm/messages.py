@@ -11,7 +11,15 @@ kinds:
 * ``cancelled`` (prefill -> decode): none of that request's writes can land any more;
 * ``abort`` (prefill -> decode): the prefill will not deliver (its request failed, was aborted, expired,
   or the grant did not fit); the message says why;
-* ``release`` (decode -> prefill, pull mode): the decoder read the blocks; the prefill may free them.
+* ``release`` (decode -> prefill, pull mode): the decoder read the blocks; the prefill may free them
+  (also sent to a prefill TP rank none of whose heads a decoder needs: it frees them at once);
+* ``describe`` (any -> a peer worker; the transfer id is a nonce): tell me your memory map; the
+  message is ``{"from": <asker's engine>}``;
+* ``described`` (the answer, same nonce, in parts like a grant): the worker's engine, memory map
+  (:class:`hixl.kv.BlockMemory`), layout, block interior, KV heads (:class:`hixl.kv.HeadSlice`), TP
+  rank and size, and its registration ``epoch`` (new each time the worker registers its KV cache).
+  A worker asks each peer once and caches the answer; it asks again when its link to the peer was
+  re-established (the peer may have restarted) or a read from it failed.
 """
 from __future__ import annotations
 
@@ -21,12 +29,13 @@ import time
 from typing import Dict, List, Optional, Tuple
 
 PREFIX = "hixl.vllm/"
-KINDS = ("grant", "cancel", "cancelled", "abort", "release")
+KINDS = ("grant", "cancel", "cancelled", "abort", "release", "describe", "described")
+PARTED = ("grant", "described")  # kinds whose payload may span several notifies
 MAX_MSG = 1024
 MAX_PARTS = 256
 _TID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
-__all__ = ["PREFIX", "KINDS", "valid_tid", "encode", "decode_name", "Reassembler"]
+__all__ = ["PREFIX", "KINDS", "PARTED", "valid_tid", "encode", "decode_name", "Reassembler"]
 
 
 def valid_tid(tid: object) -> bool:
@@ -35,17 +44,17 @@ def valid_tid(tid: object) -> bool:
 
 def encode(kind: str, tid: str, payload: str = "") -> List[Tuple[str, str]]:
     """``(name, message)`` notifies carrying ``payload`` (split into parts when it is longer than a
-    notify holds; only grants may be)."""
+    notify holds; only the kinds in PARTED may be)."""
     if kind not in KINDS:
         raise ValueError(f"unknown message kind {kind!r}")
     if not valid_tid(tid):
         raise ValueError(f"transfer id {tid!r} is not 1-128 characters of [A-Za-z0-9._:-]")
-    if kind != "grant":
+    if kind not in PARTED:
         return [(f"{PREFIX}{kind}/{tid}", payload[:MAX_MSG])]
     parts = [payload[i:i + MAX_MSG] for i in range(0, len(payload), MAX_MSG)] or [""]
     if len(parts) > MAX_PARTS:
-        raise ValueError(f"grant of {len(payload)} characters is over {MAX_PARTS} notifies")
-    return [(f"{PREFIX}grant/{tid}/{i}/{len(parts)}", p) for i, p in enumerate(parts)]
+        raise ValueError(f"{kind} of {len(payload)} characters is over {MAX_PARTS} notifies")
+    return [(f"{PREFIX}{kind}/{tid}/{i}/{len(parts)}", p) for i, p in enumerate(parts)]
 
 
 def decode_name(name: str) -> Optional[Tuple[str, str, int, int]]:
@@ -53,18 +62,18 @@ def decode_name(name: str) -> Optional[Tuple[str, str, int, int]]:
     if not name.startswith(PREFIX):
         return None
     bits = name[len(PREFIX):].split("/")
-    if len(bits) == 2 and bits[0] in KINDS and bits[0] != "grant" and valid_tid(bits[1]):
+    if len(bits) == 2 and bits[0] in KINDS and bits[0] not in PARTED and valid_tid(bits[1]):
         return bits[0], bits[1], 0, 1
-    if len(bits) == 4 and bits[0] == "grant" and valid_tid(bits[1]) and bits[2].isdigit() and bits[3].isdigit():
+    if len(bits) == 4 and bits[0] in PARTED and valid_tid(bits[1]) and bits[2].isdigit() and bits[3].isdigit():
         i, n = int(bits[2]), int(bits[3])
         if 0 <= i < n <= MAX_PARTS:
-            return "grant", bits[1], i, n
+            return bits[0], bits[1], i, n
     return None
 
 
 class Reassembler:
-    """Grants arriving in parts: bounded (at most ``max_pending`` incomplete ones, each dropped
-    ``ttl_s`` after its first part)."""
+    """Grants (and the other PARTED messages: key them by kind and id) arriving in parts: bounded (at
+    most ``max_pending`` incomplete ones, each dropped ``ttl_s`` after its first part)."""
 
     def __init__(self, max_pending: int = 4096, ttl_s: float = 60.0):
         self._parts: Dict[str, Tuple[float, int, Dict[int, str]]] = {}

@@ -4,13 +4,17 @@ the attention layer wrote them), with the completion flag on the last write.
 
 A request's decoder *grant* (its block ids, from the decoder over the hixl link) may come before the
 prefill starts, during it (the layers already computed are sent at once, then the rest as computed)
-or after it (the whole request is sent from the blocks vLLM holds for us: the fallback). Which thread
-pushes is decided under one lock: the forward thread while the request is being computed, the inbox
-thread once it was (``attached`` is claimed by exactly one of them). Nothing here ever waits on the
+or after it (the whole request is sent from the blocks vLLM holds for us: the fallback). With tensor
+parallelism a request may get several grants, one per decoder TP rank that needs heads of ours (each
+says how many there are: ``fanin``); each becomes a target with its own completion flag, and one
+that comes late gets what the others got already. Which thread pushes a grant is decided under one
+lock: the forward thread while the request is being computed, the inbox thread once it was (each
+pending grant is claimed by exactly one of them). Nothing here ever waits on the
 decoder: a push only posts (the engine copies or the NIC writes), bounded by ``max_inflight``.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -30,15 +34,17 @@ _MAX_REMEMBERED = 4096  # transfer ids remembered as expired/cancelled (late gra
 
 
 class _Send:
-    __slots__ = ("rid", "tid", "n_tokens", "blocks", "grant", "attached", "dead", "phase", "step", "done_upto",
-                 "t_start", "t_computed", "t_finished", "released", "cancel", "added", "stale", "aborted_sent",
-                 "busy", "lock")
+    __slots__ = ("rid", "tid", "n_tokens", "blocks", "grants", "decoders", "fanin", "attached", "dead", "phase",
+                 "step", "done_upto", "t_start", "t_computed", "t_finished", "released", "cancel", "added", "stale",
+                 "aborted_sent", "busy", "lock", "cancelled_by", "first_grant")
 
     def __init__(self, rid: str, tid: str, n_tokens: int):
         self.rid, self.tid, self.n_tokens = rid, tid, n_tokens
         self.blocks: List[int] = []
-        self.grant: Optional[kv.Grant] = None
-        self.attached = False       # a target was added (by exactly one thread)
+        self.grants: List[kv.Grant] = []  # grants not claimed yet
+        self.decoders: List[str] = []     # the decoders whose grants were claimed
+        self.fanin = 1              # how many decoders will grant (TP: one per decoder rank needing our heads)
+        self.attached = False       # a target was added
         self.dead: Optional[str] = None  # why nothing more is sent
         self.phase = "computing"    # computing -> computed (prompt done) ; finished is t_finished
         self.step: Optional[SendStep] = None
@@ -53,22 +59,32 @@ class _Send:
         self.busy = False           # the inbox thread is pushing it (finished() leaves it alone)
         self.lock = threading.Lock()  # held while a push of it is posted (see _push)
         self.aborted_sent = False
+        self.cancelled_by: Optional[str] = None  # the decoder that cancelled (the others hear an abort)
+        self.first_grant: Optional[kv.Grant] = None
+
+    @property
+    def grant(self) -> Optional[kv.Grant]:
+        """The first grant that came for it (None: none yet)."""
+        return self.first_grant
 
 
 class Producer:
     """Pushes the KV of the requests vLLM computes here to the decoders that granted blocks for them:
     ``engine`` and ``pool`` (vLLM's KV cache, registered) carry the writes, ``links`` the messages to
     decoders (aborts, cancel confirmations), ``stats`` records each transfer's end; ``interior`` is
-    the KV blocks' interior, which a grant's must match."""
+    the KV blocks' interior, which a grant's must match; ``heads`` the KV heads our blocks hold
+    (tensor parallelism: head-sliced grants need it)."""
 
     def __init__(self, engine: Hixl, pool: kv.KVPool, layout: kv.KVLayout, config: ConnectorConfig,
-                 stats: Recorder, links: Links, interior: str):
+                 stats: Recorder, links: Links, interior: str, heads: Optional[kv.HeadSlice] = None):
         self.layout, self.config, self.stats, self.links, self.interior = layout, config, stats, links, interior
-        self.tx = kv.KVSender(engine, layout, pool=pool, max_inflight=config.max_inflight, timeout=config.timeout_s)
+        self.tx = kv.KVSender(engine, layout, pool=pool, max_inflight=config.max_inflight, timeout=config.timeout_s,
+                              heads=heads)
         self._lock = threading.Lock()
         self._sends: Dict[str, _Send] = {}         # by vLLM request id
         self._by_tid: Dict[str, _Send] = {}
-        self._grants: "OrderedDict[str, tuple]" = OrderedDict()  # tid -> (grant, arrived) not claimed yet
+        self._grants: "OrderedDict[str, tuple]" = OrderedDict()  # tid -> ([grants], fanin, arrived) not claimed yet
+        self._released: "OrderedDict[str, bool]" = OrderedDict()  # tids released before their request came
         self._gone: "OrderedDict[str, str]" = OrderedDict()  # tid -> why (expired, cancelled, failed)
         self._held: Dict[str, str] = {}            # finished ids vLLM holds blocks of for us
         self._step: List[_Send] = []
@@ -92,7 +108,8 @@ class Producer:
                         s.dead = why
                     g = self._grants.pop(st.transfer_id, None)
                     if g is not None:
-                        s.grant = g[0]
+                        s.grants, s.fanin, s.first_grant = list(g[0]), g[1], g[0][0]
+                    s.released = self._released.pop(st.transfer_id, False)
                 if st.blocks != s.blocks:
                     s.blocks, s.stale = list(st.blocks), s.added
                 s.step = st
@@ -106,15 +123,15 @@ class Producer:
         for s in self._step:
             if s.dead:
                 continue
-            if not s.attached:
+            if s.grants:
                 with self._lock:
-                    if s.grant is None or s.attached:
-                        continue
-                    s.attached = True
-                # the grant came now: what was computed before goes first
-                if not self._attach(s, [(range(self.layout.n_layers), range(0, s.done_upto)),
-                                        (range(0, layer), range(s.step.lo, s.step.hi))], False):
+                    new, s.grants = s.grants, []
+                # a grant came now: what was computed before goes first (to its decoder only)
+                if new and not self._attach(s, new, [(range(self.layout.n_layers), range(0, s.done_upto)),
+                                                     (range(0, layer), range(s.step.lo, s.step.hi))], False):
                     continue
+            if not s.attached:
+                continue
             js = range(s.step.lo, s.step.hi)
             complete = s.step.final and last
             if js or complete:
@@ -128,30 +145,34 @@ class Producer:
                 s.done_upto = s.step.hi
                 if s.step.final:
                     s.phase, s.t_computed = "computed", now
-                    if s.grant is not None and not s.attached and not s.dead:
-                        s.attached = True  # the grant came after the last layer: everything now
-                        whole.append(s)
+                    if s.grants and not s.dead:  # grants came after the last layer: everything now
+                        whole.append((s, s.grants))
+                        s.grants = []
                 s.step = None
             self._step = []
         self.step_active = False
-        for s in whole:
-            self._attach(s, [(range(self.layout.n_layers), range(0, s.done_upto))], True)
+        for s, new in whole:
+            self._attach(s, new, [(range(self.layout.n_layers), range(0, s.done_upto))], True)
 
     # -- pushes --------------------------------------------------------------------------------
-    def _attach(self, s: _Send, pushes: list, complete: bool) -> bool:
-        """Adds the grant's decoder as the request's target and pushes ``(layers, blocks)`` pairs (the
-        last one flagged when ``complete``). False (and the request dead) on failure."""
-        g = s.grant
-        try:
-            if not self.links.linked(g.decode):
-                raise kv.TransferFailed(f"no link to the decoder {g.decode} (it went away)")
-            if not s.added:
-                self.tx.add_request(s.tid, s.blocks, s.n_tokens, partial=True)
-                s.added, s.stale = True, False
-            self.tx.add_target(s.tid, g)
-        except (kv.KVError, ValueError) as e:
-            self._fail(s, f"the decoder's grant cannot be served: {e}")
-            return False
+    def _attach(self, s: _Send, grants: List[kv.Grant], pushes: list, complete: bool) -> bool:
+        """Adds the grants' decoders as the request's targets and pushes ``(layers, blocks)`` pairs (the
+        last one flagged when ``complete``; a target has each pair once, so the ones added before get
+        only what they lack). False (and the request dead) on failure."""
+        with s.lock:  # no push of the request is being posted while its targets change
+            for g in grants:
+                s.decoders.append(g.decode)  # claimed (it hears an abort if the request fails)
+                try:
+                    if not self.links.linked(g.decode):
+                        raise kv.TransferFailed(f"no link to the decoder {g.decode} (it went away)")
+                    if not s.added:
+                        self.tx.add_request(s.tid, s.blocks, s.n_tokens, partial=True)
+                        s.added, s.stale = True, False
+                    self.tx.add_target(s.tid, dataclasses.replace(g, request_id=s.tid))
+                    s.attached = True
+                except (kv.KVError, ValueError) as e:
+                    self._fail(s, f"the grant of the decoder {g.decode} cannot be served: {e}")
+                    return False
         todo = [(ls, js) for ls, js in pushes if len(ls) and len(js)]
         for i, (ls, js) in enumerate(todo):
             if not self._push(s, ls, js, complete and i == len(todo) - 1):
@@ -186,43 +207,64 @@ class Producer:
         try:
             g = kv.Grant.from_dict(d["grant"])
             interior = d.get("interior")
+            fanin = int(d.get("fanin", 1))
+            sliced = g.head_slice()[0] is not None
         except (KeyError, TypeError, ValueError) as e:
             decode = d.get("grant", {}).get("decode") if isinstance(d.get("grant"), dict) else None
             _log.warning("hixl.vllm: malformed grant for %s from %s: %s", tid, decode, e)
             if isinstance(decode, str):
                 self.links.post(decode, "abort", tid, f"malformed grant: {e}")
             return
-        if interior != self.interior:
+        # head-sliced: the two sides' blocks hold different heads; the rest of the interior must match
+        if (interior != self.interior if not sliced else
+                not isinstance(interior, str) or interior.split("(")[0] != self.interior.split("(")[0]):
             self.links.post(g.decode, "abort", tid, f"the prefill's KV blocks are {self.interior}, the decoder's "
                                                     f"{interior}: they cannot be copied as they are")
             return
-        whole = None
+        whole, why = self._take_grant(tid, g, fanin)
+        if why is not None:
+            self.links.post(g.decode, "abort", tid, why)
+        elif whole is not None:
+            s, new = whole
+            try:
+                self._attach(s, new, [(range(self.layout.n_layers), range(0, s.done_upto))], True)
+            finally:
+                with self._lock:
+                    s.busy = False
+
+    def _take_grant(self, tid: str, g: kv.Grant, fanin: int):
+        """Files a grant: ``(whole, why)``: the send and the grants the inbox thread pushes now (its
+        prompt was computed), or why it is refused (to tell its decoder)."""
         with self._lock:
             why = self._gone.get(tid)
             s = self._by_tid.get(tid)
             if why is None and s is not None and s.dead:
                 why = s.dead
             if why is not None:
-                pass
-            elif s is None:
-                self._grants[tid] = (g, time.monotonic())
+                return None, why
+            if s is None:
+                grants, _, t0 = self._grants.get(tid, ([], 0, time.monotonic()))
+                if any(x.decode == g.decode for x in grants):
+                    _log.warning("hixl.vllm: a second grant for %s from %s: ignored", tid, g.decode)
+                    return None, None
+                self._grants[tid] = (grants + [g], max(fanin, 1), t0)
                 while len(self._grants) > _MAX_REMEMBERED:
-                    old_tid, (old, _) = self._grants.popitem(last=False)
-                    self.links.post(old.decode, "abort", old_tid, "too many grants for requests the prefill never saw")
-            elif s.grant is not None:
+                    old_tid, (old, _, _) = self._grants.popitem(last=False)
+                    for x in old:
+                        self.links.post(x.decode, "abort", old_tid,
+                                        "too many grants for requests the prefill never saw")
+                return None, None
+            if g.decode in s.decoders or any(x.decode == g.decode for x in s.grants):
                 _log.warning("hixl.vllm: a second grant for %s from %s: ignored", tid, g.decode)
-            else:
-                s.grant = g
-                if s.phase == "computed" and not s.attached:
-                    s.attached, s.busy, whole = True, True, s
-        if why is not None:
-            self.links.post(g.decode, "abort", tid, why)
-        elif whole is not None:
-            try:
-                self._attach(whole, [(range(self.layout.n_layers), range(0, whole.done_upto))], True)
-            finally:
-                with self._lock:
-                    whole.busy = False
+                return None, None
+            s.fanin = max(s.fanin, fanin)
+            s.grants.append(g)
+            s.first_grant = s.first_grant or g
+            if s.phase == "computed" and not s.busy:
+                new, s.grants = s.grants, []
+                s.busy = True
+                return (s, new), None
+            return None, None
 
     def on_cancel(self, tid: str, msg: str) -> None:
         """The decoder gave up on ``tid``: nothing more is sent, and once no write of it is in flight
@@ -241,16 +283,21 @@ class Producer:
                 self._remember(tid, reason)
             else:
                 s.dead = s.dead or reason
-                s.cancel = decode
+                s.cancel = s.cancelled_by = decode
         _log.info("hixl.vllm: transfer %s cancelled by the decoder: %s", tid, why)
         if s is None:
             self.links.post(decode, "cancelled", tid)
 
     def on_release(self, tid: str, msg: str) -> None:
+        """Pull: the decoder read the blocks; or (TP) no decoder rank needs the heads of ours."""
         with self._lock:
             s = self._by_tid.get(tid)
             if s is not None:
                 s.released = True
+            else:  # before the request came here (a prefill rank nobody reads)
+                self._released[tid] = True
+                while len(self._released) > _MAX_REMEMBERED:
+                    self._released.popitem(last=False)
 
     def _remember(self, tid: str, why: str) -> None:
         self._gone[tid] = why
@@ -276,12 +323,12 @@ class Producer:
                 finally:
                     s.lock.release()
             while self._grants:
-                tid, (g, t) = next(iter(self._grants.items()))
+                tid, (grants, _, t) = next(iter(self._grants.items()))
                 if now - t <= self.config.lease_s:
                     break
                 self._grants.popitem(last=False)
                 self._remember(tid, "expired")
-                stale.append((g.decode, tid))
+                stale.extend((g.decode, tid) for g in grants)
         for peer, tid in confirm:
             self.links.post(peer, "cancelled", tid)
         for peer, tid in stale:
@@ -332,7 +379,11 @@ class Producer:
             st = self.tx.stats(s.tid)
             if st["errors"]:
                 return f"transfer failed: {st['errors'][0]}"
-            return None if st["flagged"] else False
+            if not st["flagged"]:
+                return False
+            if len(s.decoders) >= s.fanin:
+                return None
+            # every decoder so far has its KV; others (TP ranks) are still to grant, within the lease
         if s.released:
             return None
         if now - s.t_finished > self.config.lease_s:
@@ -350,9 +401,11 @@ class Producer:
         if why is not None:
             if "expired" in why:
                 self.stats.expired()
-            if s.grant is not None and not s.aborted_sent and "cancelled by the decoder" not in why:
-                s.aborted_sent = True
-                self.links.post(s.grant.decode, "abort", s.tid, why)
+            told = [] if s.aborted_sent else [d for d in s.decoders + [g.decode for g in s.grants]
+                                              if d != s.cancelled_by]
+            s.aborted_sent = True
+            for decode in told:
+                self.links.post(decode, "abort", s.tid, why)
             _log.info("hixl.vllm: transfer %s (request %s) ended without delivery: %s", s.tid, s.rid, why)
         if s.added:
             try:

@@ -11,9 +11,11 @@ The prefill part is :class:`~hixl.vllm.producer.Producer`, the decode part
 """
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
+import uuid
 from typing import Any, Dict, List, Optional, Tuple
 
 from .. import kv
@@ -24,6 +26,7 @@ from .config import ConnectorConfig
 from .consumer import Consumer
 from .engine_links import EngineLinks
 from .metadata import HixlConnectorMetadata, HixlHandshake
+from .peers import PeerBook
 from .producer import Producer
 from .stats import Recorder
 
@@ -78,10 +81,40 @@ def describe_kv_caches(kv_caches: Dict[str, Any], names: List[str], num_blocks: 
     return layout, memory, f"{dtype}:{interior}"
 
 
+def head_slice_of(interior: str, num_kv_heads: int, block_size: int, lo: int, hi: int) -> Optional[kv.HeadSlice]:
+    """The :class:`hixl.kv.HeadSlice` of blocks of ``interior`` (:func:`describe_kv_caches`) holding the
+    KV heads ``[lo, hi)``; None when the interior does not say where its heads are (a block of as many
+    tokens as heads, heads and tokens not told apart: such blocks move whole only)."""
+    try:
+        dtype, rest = interior.split(":", 1)
+        kind, dims_s = rest.split("(", 1)
+        dims = tuple(int(x) for x in dims_s.rstrip(")").split(",") if x.strip())
+        isz = kv.KVLayout(n_layers=1, n_kv_heads=1, head_dim=1, dtype=dtype).itemsize
+    except ValueError:
+        return None
+    if len(dims) != 3 or hi - lo != num_kv_heads:
+        return None
+    if dims[:2] == (num_kv_heads, block_size) and (num_kv_heads != block_size or kind == "packed"):
+        order = "head"
+    elif dims[:2] == (block_size, num_kv_heads) and num_kv_heads != block_size:
+        order = "token"
+    else:
+        return None
+    return kv.HeadSlice(lo=lo, hi=hi, order=order, tokens=block_size, row=dims[2] * isz)
+
+
 class HixlWorker:
+    """``rank`` and ``tp_size``: this worker's tensor-parallel rank and the TP size; ``total_kv_heads``:
+    the model's KV heads (0: ``num_kv_heads * tp_size``); ``num_kv_heads`` is this rank's (vLLM's
+    KV cache spec is per rank)."""
+
     def __init__(self, config: ConnectorConfig, role: str, engine_id: str, num_blocks: int, block_size: int,
-                 num_kv_heads: int, head_size: int, rank: int = 0):
+                 num_kv_heads: int, head_size: int, rank: int = 0, tp_size: int = 1, total_kv_heads: int = 0):
         self.config, self.role, self.engine_id, self.rank = config, role, engine_id, rank
+        self.tp_size, self.total_kv_heads = tp_size, total_kv_heads or num_kv_heads * tp_size
+        self.heads: Optional[kv.HeadSlice] = None
+        self.epoch = uuid.uuid4().hex[:16]  # new with each registration: peers re-ask when it changes
+        self.peers: Optional[PeerBook] = None
         self.num_blocks, self.block_size = num_blocks, block_size
         self.num_kv_heads, self.head_size = num_kv_heads, head_size
         self.engine: Optional[Hixl] = None
@@ -119,12 +152,19 @@ class HixlWorker:
             self.engine.finalize()
             raise RuntimeError(f"HixlConnector: registering vLLM's KV cache ({memory.ranges()}) failed: {e}") from e
         self.links = EngineLinks(self.engine, self.config.connect_timeout_ms)
+        self.peers = PeerBook(self.links, self.engine.local_engine, self.config.connect_timeout_ms / 1000.0)
+        try:
+            lo, hi = kv.head_range(self.rank, self.tp_size, self.total_kv_heads)
+            self.heads = head_slice_of(self.interior, self.num_kv_heads, self.block_size, lo, hi)
+        except ValueError as e:
+            _log.warning("hixl.vllm: KV heads of rank %d of TP %d: %s; blocks move whole only", self.rank,
+                         self.tp_size, e)
         shared = dict(engine=self.engine, pool=self.pool, layout=self.layout, config=self.config, stats=self.stats,
-                     links=self.links, interior=self.interior)
+                      links=self.links, interior=self.interior, heads=self.heads)
         if self.role != "kv_consumer":
             self.producer = Producer(**shared)
         if self.role != "kv_producer":
-            self.consumer = Consumer(**shared)
+            self.consumer = Consumer(**shared, tp=(self.rank, self.tp_size, self.total_kv_heads), peers=self.peers)
         for name, fn in (("hixl-vllm-inbox", self._inbox_loop), ("hixl-vllm-jobs", self.links.run_jobs)):
             th = threading.Thread(target=fn, name=name, daemon=True)
             th.start()
@@ -137,6 +177,13 @@ class HixlWorker:
         assert self.engine is not None
         return HixlHandshake(engine=self.engine.local_engine, memory=self.pool.memory.to_dict(),
                              layout=dict(vars(self.layout)))
+
+    def description(self) -> Dict[str, Any]:
+        """What a peer learns of this worker with ``describe`` (:mod:`hixl.vllm.messages`)."""
+        return {"engine": self.engine.local_engine, "memory": self.pool.memory.to_dict(),
+                "layout": dict(vars(self.layout)), "interior": self.interior,
+                "heads": self.heads.to_dict() if self.heads is not None else None, "rank": self.rank,
+                "tp": self.tp_size, "total_heads": self.total_kv_heads, "epoch": self.epoch}
 
     @property
     def interior(self) -> str:
@@ -177,13 +224,17 @@ class HixlWorker:
             _log.info("hixl.vllm: notify %r is not ours: ignored", name[:80])
             return
         kind, tid, i, n = what
-        if kind == "grant":
+        if kind in messages.PARTED:
             try:
-                d = reassembler.add(tid, i, n, msg)
+                d = reassembler.add(tid if kind == "grant" else f"{kind}/{tid}", i, n, msg)
             except ValueError as e:
                 _log.warning("hixl.vllm: %s", e)
                 return
             if d is None:
+                return
+            if kind == "described":
+                if self.peers is not None:
+                    self.peers.on_described(tid, d)
                 return
             if self.producer is None:
                 _log.warning("hixl.vllm: grant for %s reached a kv_consumer instance: ignored", tid)
@@ -192,9 +243,30 @@ class HixlWorker:
         elif kind in ("cancel", "release"):
             if self.producer is not None:
                 self.producer.on_cancel(tid, msg) if kind == "cancel" else self.producer.on_release(tid, msg)
+        elif kind == "describe":
+            self._answer_describe(tid, msg)
         elif kind in ("cancelled", "abort"):
             if self.consumer is not None:
                 self.consumer.on_peer_message(kind, tid, msg)
+
+    def _answer_describe(self, nonce: str, msg: str) -> None:
+        try:
+            asker = json.loads(msg)["from"]
+            if not isinstance(asker, str):
+                raise TypeError("from is not a string")
+        except (ValueError, KeyError, TypeError) as e:
+            _log.warning("hixl.vllm: malformed describe %s: %r (%s)", nonce, msg[:200], e)
+            return
+        payload = json.dumps(self.description(), separators=(",", ":"))
+
+        def answer() -> None:
+            try:
+                self.links.send(asker, "described", nonce, payload, connect=False)
+            except (ConnectionError, ValueError) as e:
+                _log.info("hixl.vllm: the answer to describe %s from %s was not delivered: %s", nonce, asker, e)
+        # a thread of its own (describes are rare: once per peer), not the jobs thread, which may itself
+        # be waiting for this peer's answer to a describe of ours (two kv_both instances)
+        threading.Thread(target=answer, name="hixl-vllm-describe", daemon=True).start()
 
     # -- per step ------------------------------------------------------------------------------
     # Each hook below is vLLM's forward thread: a bug in it is logged, never raised into the step (the
