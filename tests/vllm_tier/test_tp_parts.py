@@ -450,3 +450,47 @@ def _until_set(fn, timeout=10.0):
             return v
         time.sleep(0.01)
     return set()
+
+
+def _until_ended(d, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ended, failed = d.part.finished(set(), False)
+        if ended:
+            return ended, failed
+        time.sleep(0.01)
+    raise AssertionError("the load did not end")
+
+
+def test_a_push_failing_in_one_part_ends_once_every_other_part_confirmed_it_stopped(net):
+    """P TP 2 -> D TP 1: one prefill rank aborts while the other's part is live. The load does not end
+    (its blocks stay vLLM's, unused) until every live part confirmed it stopped: a write of the other
+    rank could otherwise land in blocks vLLM gave to another request."""
+    _, prefills, decoders = _pd(net, 2, 1)
+    d = decoders[0]
+    d.part.start(HixlConnectorMetadata(loads={"d": _spec(prefills, "push")}))
+    d.links.run_jobs()  # grants to both ranks
+    held = prefills[1].part.on_cancel
+    prefills[1].part.on_cancel = lambda tid, msg: None  # rank 1 answers later
+    d.part.on_peer_message("abort", "t", "rank 0 gave up")
+    assert d.part.finished(set(), False) == (set(), set())
+    assert sorted(b for _, b, kind, _ in net.log if kind == "cancel") == sorted(p.addr for p in prefills)
+    for _ in range(5):
+        assert d.part.finished(set(), False) == (set(), set()), "ended before rank 1 confirmed"
+    held("t", json.dumps({"decode": d.addr, "why": "test"}))  # rank 1 confirms now
+    assert _until_ended(d) == ({"d"}, {"d"})
+    assert d.links.linked(prefills[1].addr)  # confirmed in time: its link stays
+
+
+def test_a_push_part_that_never_confirms_has_its_link_closed_before_the_load_ends(net):
+    _, prefills, decoders = _pd(net, 2, 1)
+    d = decoders[0]
+    d.part.config = ConnectorConfig(timeout_s=10, cancel_grace_s=0.3)
+    d.part.start(HixlConnectorMetadata(loads={"d": _spec(prefills, "push")}))
+    d.links.run_jobs()
+    prefills[1].part.on_cancel = lambda tid, msg: None  # never confirms
+    d.part.on_peer_message("abort", "t", "rank 0 gave up")
+    t0 = time.monotonic()
+    assert _until_ended(d) == ({"d"}, {"d"})
+    assert time.monotonic() - t0 >= 0.3
+    assert not d.links.linked(prefills[1].addr)  # closed: nothing of rank 1 can land any more

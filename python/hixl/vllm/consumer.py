@@ -35,17 +35,18 @@ _log = logging.getLogger("hixl.vllm")
 
 class _Part:
     """What one prefill TP rank sends a load: heads ``want`` (None: whole blocks) into slot ``slot``."""
-    __slots__ = ("q", "peer", "want", "slot", "grant", "done", "fanin")
+    __slots__ = ("q", "peer", "want", "slot", "grant", "done", "ended", "fanin")
 
     def __init__(self, q: int, peer: str, want: Optional[Tuple[int, int]], slot: str, fanin: int):
         self.q, self.peer, self.want, self.slot, self.fanin = q, peer, want, slot, fanin
         self.grant: Optional[kv.Grant] = None
-        self.done = False
+        self.done = False   # its KV landed
+        self.ended = False  # it failed: nothing more of it can land (its read ended, its prefill aborted)
 
 
 class _Load:
     __slots__ = ("rid", "spec", "parts", "idle", "remote_tp", "t_start", "deadline", "linked", "state", "why",
-                 "cancel_deadline", "ended_by_vllm", "job", "confirms")
+                 "cancel_deadline", "ended_by_vllm", "job", "confirms", "awaiting")
 
     def __init__(self, rid: str, spec: LoadSpec, timeout_s: float):
         self.rid, self.spec = rid, spec
@@ -53,10 +54,11 @@ class _Load:
         self.idle: List[str] = []    # prefill ranks no decoder rank reads: told to let go at once
         self.remote_tp = 1
         self.confirms = 0            # cancels confirmed by the prefill ranks
+        self.awaiting = 0            # confirmations a cancel waits for (0: one per part not done)
         self.t_start = time.monotonic()
         self.deadline = self.t_start + timeout_s
         self.linked = False          # the grant reached the prefill / the read was posted
-        self.state = "waiting"       # waiting -> cancelling -> over
+        self.state = "waiting"       # waiting -> (cancelling | draining) -> over
         self.why: Optional[str] = None
         self.cancel_deadline = 0.0
         self.ended_by_vllm = False   # vLLM finished (aborted) the request while it waited
@@ -227,7 +229,7 @@ class Consumer:
                 return
             if kind == "cancelled":
                 load.confirms += 1
-                if load.confirms < len([p for p in load.parts if not p.done]):
+                if load.confirms < (load.awaiting or len([p for p in load.parts if not p.done])):
                     return  # other prefill ranks are still to confirm
             self._events[tid] = (kind, msg)
 
@@ -283,7 +285,31 @@ class Consumer:
                         bad[load.rid] = load.why  # no grant went out: nothing can land
             elif load.state == "cancelling" and now > load.cancel_deadline:
                 self._close_link(load, loads, ok, bad, load.why or "cancelled")
+            elif load.state == "draining" and now > load.deadline + grace:
+                self._close_link(load, loads, ok, bad, load.why or "a part failed")
+        self._hold_back_failed_parts(bad, down, now)
         return self._end(ok, bad, now)
+
+    def _hold_back_failed_parts(self, bad: Dict[str, str], down: Set[str], now: float) -> None:
+        """A load of several parts (prefill TP ranks) that failed in one part ends only once none of the
+        others can still land: push: each live part is cancelled and confirmed (else its link is closed
+        after ``cancel_grace_s``); pull: our own reads of the others end (at their deadline at most)."""
+        for rid, why in list(bad.items()):
+            load = self._loads.get(rid)
+            if load is None or len(load.parts) < 2 or load.state == "cancelling" or load.ended_by_vllm:
+                continue
+            live = [p for p in load.parts if not p.done and not p.ended and p.peer not in down
+                    and self.links.linked(p.peer)]
+            if not live or not load.linked:
+                continue
+            del bad[rid]
+            load.why = load.why or why
+            if load.spec.mode == "push":
+                self._cancel(load, now, live)
+            elif load.state != "draining":
+                load.state = "draining"
+                _log.warning("hixl.vllm: request %s (transfer %s): %s; waiting for its reads from %s to end",
+                             rid, load.spec.transfer_id, why, ", ".join(p.peer for p in live))
 
     def _outcomes(self, done: List[str], failed_slots: Dict[str, str]) -> Tuple[Set[str], Dict[str, str]]:
         """The loads every part of which landed, and those that failed (a part's read, the jobs
@@ -299,10 +325,13 @@ class Consumer:
                     hit[1].done = True
                     if all(p.done for p in hit[0].parts):
                         ok.add(hit[0].rid)
+                    elif hit[0].state == "draining":
+                        bad[hit[0].rid] = hit[0].why or "a part failed"  # ends once no read is live
             for slot, why in failed_slots.items():
                 hit = self._by_slot.get(slot)
                 if hit is not None:
-                    bad[hit[0].rid] = why
+                    hit[1].ended = True
+                    bad[hit[0].rid] = hit[0].why or why
                     if hit[0].spec.mode == "pull":
                         self.peers.forget(hit[1].peer)  # its memory map may be stale: ask again next time
         bad.update(job_failures)
@@ -328,14 +357,17 @@ class Consumer:
                 if peer in other.peers and other.state != "over" and other.rid not in ok:
                     bad[other.rid] = other.why or f"the link to the prefill {peer} was closed ({why})"
 
-    def _cancel(self, load: _Load, now: float) -> None:
+    def _cancel(self, load: _Load, now: float, parts: Optional[List[_Part]] = None) -> None:
+        """Tells the parts not landed (or ``parts``) to stop; the load ends once each confirmed, or
+        its links are closed after ``cancel_grace_s``."""
+        parts = [p for p in load.parts if not p.done] if parts is None else parts
         load.state, load.cancel_deadline = "cancelling", now + self.config.cancel_grace_s
+        load.awaiting, load.confirms = len(parts), 0
         _log.warning("hixl.vllm: request %s (transfer %s from %s): %s; cancelling", load.rid,
-                     load.spec.transfer_id, ", ".join(load.peers), load.why)
-        for part in load.parts:
-            if not part.done:
-                self.links.post(part.peer, "cancel", load.spec.transfer_id,
-                                json.dumps({"decode": self.engine.local_engine, "why": load.why}))
+                     load.spec.transfer_id, ", ".join(p.peer for p in parts), load.why)
+        for part in parts:
+            self.links.post(part.peer, "cancel", load.spec.transfer_id,
+                            json.dumps({"decode": self.engine.local_engine, "why": load.why}))
 
     def _end(self, ok: Set[str], bad: Dict[str, str], now: float) -> Tuple[Set[str], Set[str]]:
         failed: Set[str] = set()

@@ -3,7 +3,7 @@ its scheduler once at start-up (its engine address, through vLLM's handshake hoo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Union
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
@@ -44,8 +44,8 @@ class HixlConnectorMetadata(KVConnectorMetadata):
     loads: Dict[str, LoadSpec] = field(default_factory=dict)        # decode: new loads, by request id
     sends: Dict[str, SendStep] = field(default_factory=dict)        # prefill: this step, by request id
     held: Dict[str, str] = field(default_factory=dict)              # prefill: finished, blocks held (id -> tid)
-    cancels: Dict[str, str] = field(default_factory=dict)           # decode: tid -> prefill engine (nothing to load)
-    cancel_peers: Dict[str, List[str]] = field(default_factory=dict)  # decode: tid -> every prefill rank's engine
+    # decode: tid -> the prefill engine, or (TP > 1) every prefill rank's engine: nothing to load
+    cancels: Dict[str, Union[str, List[str]]] = field(default_factory=dict)
     idle: bool = False                                              # nothing scheduled in this step
 
 

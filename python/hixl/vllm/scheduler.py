@@ -217,8 +217,8 @@ class HixlScheduler:
         if self._waiting:
             self._settle_waiting()
         meta = HixlConnectorMetadata(loads=self._loads, held=self._new_held,
-                                     cancels={t: e[0] for t, e in self._cancels.items()},
-                                     cancel_peers=self._cancels, idle=so.total_num_scheduled_tokens == 0)
+                                     cancels={t: e if len(e) > 1 else e[0] for t, e in self._cancels.items()},
+                                     idle=so.total_num_scheduled_tokens == 0)
         self._loads, self._new_held, self._cancels = {}, {}, {}
         if self._prefills:
             for req in so.scheduled_new_reqs:
