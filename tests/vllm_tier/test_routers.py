@@ -145,3 +145,12 @@ def test_router_standins(cluster, front, kind):
     assert len(sent) == len(ps) and all("remote_block_ids" not in d for d in sent), sent
     if kind == "http-host":
         assert {d["remote_host"] for d in sent} == {"localhost"}, sent
+
+
+def test_standin_transforms_keep_only_nixl_s_fields():
+    answer = {"remote_engine_id": "e", "remote_request_id": "r", "remote_block_ids": [[1, 2]], "remote_host": "10.0.0.7",
+              "remote_port": 5, "tp_size": 1, "transfer_id": "t", "remote_engine": "10.0.0.7:5", "mode": "pull"}
+    out = nixl_fields_only(answer, "http://prefill-0:8000")
+    assert out == {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "e",
+                   "remote_request_id": "r", "remote_host": "10.0.0.7", "remote_port": 5, "tp_size": 1}
+    assert http_host_for_remote_host(answer, "http://prefill-0:8000") == dict(out, remote_host="prefill-0")

@@ -15,6 +15,7 @@ both directions: ``hixl proxy`` does not front it), to check the harness itself.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import os
 import subprocess
 import sys
@@ -70,6 +71,15 @@ def cluster(tiny_model):
 def _instance_logs_on_failure(request):
     if "cluster" in request.fixturenames:
         log_marks(request.node, [i.log_path for i in request.getfixturevalue("cluster").values()])
+
+
+def test_tiny_llama_has_heads_for_tp2_and_a_robust_greedy_margin(tiny_model):
+    with open(os.path.join(tiny_model, "config.json")) as f:
+        cfg = json.load(f)
+    assert (cfg["num_attention_heads"], cfg["num_key_value_heads"]) == (8, 4)
+    with open(os.path.join(tiny_model, "hixl_tiny_llama.json")) as f:
+        made = json.load(f)
+    assert made["smallest_relative_greedy_margin"] >= 1e-3, made  # float32 rounding is ~1e-6 of the logits
 
 
 def _burst(cluster, url, decoder, ps):
