@@ -43,6 +43,8 @@ class RouterProcess:
         self.name, self.kv_connector = name, kv_connector
         cmd = router_command() + ["--vllm-pd-disaggregation", "--host", "127.0.0.1", "--port", str(self.port),
                                   "--kv-connector", kv_connector, "--policy", policy,
+                                  # its metrics exporter's default port would clash with any other router here
+                                  "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
                                   "--worker-startup-check-interval", "1", "--worker-startup-timeout-secs", "120"]
         for url, bootstrap in prefill:
             cmd += ["--prefill", url] + ([str(bootstrap)] if bootstrap else [])
