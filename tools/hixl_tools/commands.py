@@ -1,5 +1,5 @@
 """The ``hixl`` console script's tool commands, registered as entry points (group ``hixl.commands`` in
-tools/pyproject.toml): ``hixl bench``, ``hixl demo``, ``hixl model export``. Each takes the arguments after
+tools/pyproject.toml): ``hixl bench``, ``hixl demo``, ``hixl model export``, ``hixl model tiny-llama``. Each takes the arguments after
 its name and returns the exit code; the tool is imported only when its command runs."""
 from __future__ import annotations
 
@@ -18,8 +18,12 @@ def demo(argv: List[str]) -> int:
 
 
 def model(argv: List[str]) -> int:
-    if argv[:1] != ["export"]:
-        print("usage: hixl model export DIR [--gguf FILE] [--force]", file=sys.stderr)
-        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
-    from .models.export import main
-    return main(argv[1:])
+    if argv[:1] == ["export"]:
+        from .models.export import main
+        return main(argv[1:])
+    if argv[:1] == ["tiny-llama"]:
+        from .models.tiny_llama import main as tiny
+        return tiny(argv[1:])
+    print("usage: hixl model export DIR [--gguf FILE] [--force]\n"
+          "       hixl model tiny-llama DIR [--seed N] [--layers N] [--force]", file=sys.stderr)
+    return 0 if argv[:1] in (["-h"], ["--help"]) else 2

@@ -4,7 +4,8 @@ and ``bench/vllm_pd.py`` use (and a way to try the connector by hand).
 Each instance runs ``VENV/bin/vllm serve`` when that works (the environment ``ci/install-vllm.sh`` makes),
 else ``python -m vllm.entrypoints.openai.api_server``; in its own process group, so that
 :meth:`VllmInstance.kill` takes its EngineCore and worker processes with it. Its threads are pinned
-with ``VLLM_CPU_OMP_THREADS_BIND`` (``cores``) and ``OMP_NUM_THREADS``, and it logs to a file.
+with ``VLLM_CPU_OMP_THREADS_BIND`` (``cores``) and ``OMP_NUM_THREADS`` unless it runs with vLLM's default
+thread settings, and it logs to a file. ``vllm-router`` in front of instances: :class:`RouterProcess`.
 """
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,15 +20,12 @@ import urllib.error
 import urllib.request
 from typing import Any, Dict, List, Optional
 
-__all__ = ["free_port", "VllmInstance", "ProxyProcess", "metrics", "post_json", "vllm_command"]
+from ._net import free_port, http_get
+from .router_process import RouterProcess
+
+__all__ = ["free_port", "VllmInstance", "ProxyProcess", "RouterProcess", "metrics", "post_json", "vllm_command"]
 
 CONNECTOR = "HixlConnector"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def vllm_command() -> List[str]:
@@ -42,11 +39,6 @@ def vllm_command() -> List[str]:
         except (subprocess.SubprocessError, OSError):
             pass
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model"]
-
-
-def _get(url: str, timeout: float = 5.0) -> str:
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return r.read().decode()
 
 
 def post_json(url: str, body: Dict[str, Any], timeout: float = 600.0) -> Dict[str, Any]:
@@ -71,7 +63,7 @@ def metrics(url: str) -> Dict[str, float]:
     """An instance's Prometheus metrics as ``{'name{labels}': value}`` (labels as printed, without
     ``engine``/``model_name``)."""
     out: Dict[str, float] = {}
-    for line in _get(url + "/metrics").splitlines():
+    for line in http_get(url + "/metrics").splitlines():
         m = _SAMPLE.match(line)
         if not m:
             continue
@@ -82,36 +74,72 @@ def metrics(url: str) -> Dict[str, float]:
 
 
 class VllmInstance:
+    """One ``vllm serve``. ``role`` None: no connector. ``connector`` "HixlConnector" (from ``hixl.vllm``) or
+    one of vLLM's own, e.g. "NixlConnector" (its KV buffer on the CPU, its side channel on a free port).
+    ``tp``: ``--tensor-parallel-size``. ``threads``: "pinned" (``OMP_NUM_THREADS=1`` and the OpenMP threads
+    bound to ``cores``; with ``tp`` 2 and no ``cores``, "0|1": one core per rank) or "default" (vLLM's
+    defaults: neither variable, whatever this process's environment says). A HixlConnector prefill serves
+    its bootstrap endpoint (``GET /query``) on ``bootstrap_port`` (a free one unless given; through
+    ``HIXL_VLLM_BOOTSTRAP_PORT``, so the connector's default, 8998, never clashes on one host)."""
+
     def __init__(self, name: str, model: str, *, role: Optional[str] = None, extra: Optional[Dict[str, Any]] = None,
                  failure_policy: Optional[str] = None, cores: Optional[str] = None, port: Optional[int] = None,
                  log_dir: str = ".", kv_cache_gib: int = 1, max_model_len: int = 2048, served_name: str = "smollm2",
-                 env: Optional[Dict[str, str]] = None, connector: str = CONNECTOR, module_path: Optional[str] = "hixl.vllm",
-                 args: Optional[List[str]] = None):
-        self.name, self.model, self.role = name, model, role
+                 env: Optional[Dict[str, str]] = None, connector: str = CONNECTOR, module_path: Optional[str] = "auto",
+                 args: Optional[List[str]] = None, tp: int = 1, threads: str = "pinned",
+                 bootstrap_port: Optional[int] = None):
+        if threads not in ("pinned", "default"):
+            raise ValueError(f"VllmInstance {name}: threads {threads!r} is not 'pinned' or 'default'")
+        if threads == "default" and cores is not None:
+            raise ValueError(f"VllmInstance {name}: cores {cores!r} with threads 'default' (which binds nothing)")
+        self.name, self.model, self.role, self.connector, self.tp = name, model, role, connector, tp
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = os.path.join(log_dir, f"{name}.log")
+        self.bootstrap_port: Optional[int] = None
         cmd = vllm_command()
         cmd += [model] if cmd[-1] in ("serve", "--model") else []
         cmd += ["--port", str(self.port), "--host", "127.0.0.1", "--enforce-eager", "--dtype", "float32",
                 "--max-model-len", str(max_model_len), "--served-model-name", served_name]
+        if tp != 1:
+            cmd += ["--tensor-parallel-size", str(tp)]
+        env = dict(env or {})
         if role is not None:
-            ktc: Dict[str, Any] = {"kv_connector": connector, "kv_role": role}
-            if module_path:
-                ktc["kv_connector_module_path"] = module_path
-            if extra:
-                ktc["kv_connector_extra_config"] = extra
-            if failure_policy:
-                ktc["kv_load_failure_policy"] = failure_policy
-            cmd += ["--kv-transfer-config", json.dumps(ktc)]
+            cmd += ["--kv-transfer-config", json.dumps(self._kv_config(role, extra, failure_policy, module_path, env,
+                                                                       bootstrap_port))]
         cmd += args or []
         self.cmd = cmd
-        self.env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib), OMP_NUM_THREADS="1",
-                        HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
-        if cores is not None:
-            self.env["VLLM_CPU_OMP_THREADS_BIND"] = cores
-        self.env.update(env or {})
+        self.env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib), HF_HUB_OFFLINE="1",
+                        TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
+        if threads == "pinned":
+            self.env["OMP_NUM_THREADS"] = "1"
+            cores = cores if cores is not None else ("|".join(str(r) for r in range(tp)) if tp > 1 else None)
+            if cores is not None:
+                self.env["VLLM_CPU_OMP_THREADS_BIND"] = cores
+        else:
+            for k in ("OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND"):
+                self.env.pop(k, None)
+        self.env.update(env)
         self.proc: Optional[subprocess.Popen] = None
+
+    def _kv_config(self, role: str, extra: Optional[Dict[str, Any]], failure_policy: Optional[str],
+                   module_path: Optional[str], env: Dict[str, str], bootstrap_port: Optional[int]) -> Dict[str, Any]:
+        """``--kv-transfer-config``; adds to ``env`` what the connector reads from the environment."""
+        ktc: Dict[str, Any] = {"kv_connector": self.connector, "kv_role": role}
+        if module_path == "auto":
+            module_path = "hixl.vllm" if self.connector == CONNECTOR else None
+        if module_path:
+            ktc["kv_connector_module_path"] = module_path
+        if extra:
+            ktc["kv_connector_extra_config"] = extra
+        if failure_policy:
+            ktc["kv_load_failure_policy"] = failure_policy
+        if self.connector == "NixlConnector":
+            ktc["kv_buffer_device"] = "cpu"
+            env.setdefault("VLLM_NIXL_SIDE_CHANNEL_PORT", str(free_port()))
+        elif self.connector == CONNECTOR and role != "kv_consumer":
+            self.bootstrap_port = int(env.setdefault("HIXL_VLLM_BOOTSTRAP_PORT", str(bootstrap_port or free_port())))
+        return ktc
 
     def start(self) -> "VllmInstance":
         self._log = open(self.log_path, "ab")
@@ -123,7 +151,7 @@ class VllmInstance:
 
     def healthy(self) -> bool:
         try:
-            _get(self.url + "/health", timeout=2)
+            http_get(self.url + "/health", timeout=2)
             return True
         except (OSError, urllib.error.URLError):
             return False
@@ -194,7 +222,7 @@ class ProxyProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"hixl proxy exited with {self.proc.returncode}: {self.tail()}")
             try:
-                st = json.loads(_get(self.url + "/proxy/status"))
+                st = json.loads(http_get(self.url + "/proxy/status"))
                 if sum(1 for p in st["prefill"] if p["engine"]) == self.n_prefill:
                     return self
             except (OSError, urllib.error.URLError, ValueError):
@@ -203,7 +231,7 @@ class ProxyProcess:
         raise TimeoutError(f"hixl proxy not ready in {timeout:g} s: {self.tail()}")
 
     def status(self) -> Dict[str, Any]:
-        return json.loads(_get(self.url + "/proxy/status"))
+        return json.loads(http_get(self.url + "/proxy/status"))
 
     def tail(self, n: int = 40) -> str:
         with open(self.log_path, "rb") as f:
