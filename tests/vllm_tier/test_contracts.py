@@ -115,6 +115,9 @@ def test_the_prefill_takes_what_each_router_sends_it():
     # vllm-router mooncake mode: its transfer id
     _, a = _finish_prefill(s, "cmpl-def-0", {"do_remote_decode": True, "transfer_id": "mc-42"})
     assert a["transfer_id"] == a["remote_request_id"] == "mc-42"
+    # vLLM's random suffix is not part of it: the decoder, given the same X-Request-Id, can name it
+    _, a = _finish_prefill(s, "cmpl-ghi-0-1a2b3c4d", nixl)
+    assert a["transfer_id"] == a["remote_request_id"] == "cmpl-ghi-0"
     # ids that are no transfer id (too long, odd characters) are hashed, the same way on both sides
     _, a = _finish_prefill(s, "x" * 200, {"do_remote_decode": True, "transfer_id": "a b/c"})
     assert a["transfer_id"] == contracts.transfer_id_of("a b/c") and a["transfer_id"].startswith("h-")
@@ -388,3 +391,23 @@ def test_addresses_and_engine_ids():
         assert contracts.decode_engine_id(bad) is None
     assert contracts.transfer_id_of("ok-1") == "ok-1" and contracts.transfer_id_of("") is None
     assert contracts.transfer_id_of("x y") == contracts.transfer_id_of("x y") != contracts.transfer_id_of("x z")
+
+
+def test_vllm_routers_rebuilt_params_name_the_transfer_by_the_shared_request_id():
+    """vllm-router's nixl mode gives the prefill and the decoder the same X-Request-Id and rebuilds the
+    decoder's params: remote_request_id is its own id, not the prefill's answer. Both vLLMs make
+    ``cmpl-<X>-0-<8 random hex>`` of it: the prefill's transfer id and the decoder's agree."""
+    xid = "___prefill_addr_127.0.0.1:8100___decode_addr_127.0.0.1:8200_0123456789abcdef0123456789abcdef"
+    s = _prefill()
+    _, a = _finish_prefill(s, f"cmpl-{xid}-0-1a2b3c4d", {"do_remote_decode": True, "do_remote_prefill": False,
+                                                          "remote_engine_id": None, "remote_block_ids": None,
+                                                          "remote_host": None, "remote_port": None})
+    rebuilt = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": a["remote_engine_id"],
+               "remote_host": a["remote_host"], "remote_port": a["remote_port"], "tp_size": 1,
+               "remote_request_id": xid}
+    spec = _load(_decoder(), rebuilt, rid=f"cmpl-{xid}-0-9f8e7d6c")
+    assert spec is not None and spec.transfer_id == a["transfer_id"] == f"cmpl-{xid}-0"
+    # the answer passed on as it is (hixl proxy, vLLM's toy proxy): its transfer id, whatever the decoder's id
+    spec = _load(_decoder(), {k: a[k] for k in ("do_remote_prefill", "remote_engine_id", "remote_host",
+                                                "remote_port", "tp_size", "remote_request_id")}, rid="other-1")
+    assert spec is not None and spec.transfer_id == a["transfer_id"]

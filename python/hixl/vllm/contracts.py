@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from . import messages
 
-__all__ = ["transfer_id_of", "encode_engine_id", "decode_engine_id", "split_addr", "valid_addr",
+__all__ = ["transfer_id_of", "base_request_id", "prefill_transfer_id", "encode_engine_id", "decode_engine_id", "split_addr", "valid_addr",
            "prefill_answer", "describe_remote", "engines_from_query", "MODES"]
 
 MODES = ("push", "pull")
@@ -40,6 +40,40 @@ def transfer_id_of(raw: Any) -> Optional[str]:
     if messages.valid_tid(raw):
         return raw
     return "h-" + hashlib.sha256(raw.encode("utf-8", "replace")).hexdigest()[:40]
+
+
+_RANDOM_SUFFIX = re.compile(r"-[0-9a-f]{8}$", re.IGNORECASE)
+
+
+def base_request_id(request_id: str) -> str:
+    """vLLM's request id without the random ``-<8 hex>`` it appends to the external one
+    (``cmpl-<X-Request-Id>-0-1a2b3c4d`` -> ``cmpl-<X-Request-Id>-0``): what a prefill and a decoder
+    given the same ``X-Request-Id`` by a router have in common (NIXL's push matches on it too)."""
+    return _RANDOM_SUFFIX.sub("", request_id)
+
+
+def prefill_transfer_id(p: Dict[str, Any], request_id: str) -> Optional[str]:
+    """The prefill's transfer id for a request: the router's ``transfer_id`` (ours, Mooncake's), else
+    vLLM's request id without its random suffix (:func:`base_request_id`)."""
+    return transfer_id_of(p.get("transfer_id")) or transfer_id_of(base_request_id(request_id))
+
+
+def _decoder_transfer_id(p: Dict[str, Any], request_id: Optional[str]) -> Optional[str]:
+    """The transfer id a decoder's params name: ``transfer_id``; else NIXL's ``remote_request_id``,
+    which is the prefill's transfer id when the prefill's answer was passed on, or the router's own
+    request id when the router rebuilt the params (vllm-router does): then the decoder's request id
+    (the router gave both instances that id) says which transfer it is."""
+    tid = transfer_id_of(p.get("transfer_id"))
+    if tid is not None:
+        return tid
+    rrid = p.get("remote_request_id")
+    if not isinstance(rrid, str) or not rrid:
+        return None
+    if request_id:
+        own = base_request_id(request_id)
+        if own != rrid and (own.endswith(f"-{rrid}-0") or own == f"chatcmpl-{rrid}"):
+            return transfer_id_of(own)
+    return transfer_id_of(rrid)
 
 
 def split_addr(addr: str) -> Tuple[str, int]:
@@ -119,12 +153,12 @@ def _engines(p: Dict[str, Any]) -> Tuple[Optional[List[str]], str]:
                  "remote_bootstrap_addr, remote_host + remote_port is usable"
 
 
-def describe_remote(p: Dict[str, Any], default_mode: str) -> Dict[str, Any]:
+def describe_remote(p: Dict[str, Any], default_mode: str, request_id: Optional[str] = None) -> Dict[str, Any]:
     """A decoder request's remote prefill, whichever contract described it: ``tid``, ``mode``,
     ``engines`` (None: ask ``bootstrap``, or ``why`` says what is missing), ``tp`` (the prefill's TP
     size when the params name it), ``blocks`` (the prefill's blocks, for pull), ``engine_id``,
-    ``bootstrap`` and ``why`` (None when usable)."""
-    tid = transfer_id_of(p.get("transfer_id")) or transfer_id_of(p.get("remote_request_id"))
+    ``bootstrap`` and ``why`` (None when usable). ``request_id``: the decoder's own vLLM request id."""
+    tid = _decoder_transfer_id(p, request_id)
     mode = p.get("mode") or default_mode
     blocks = p.get("remote_blocks")
     if blocks is None and isinstance(p.get("remote_block_ids"), list) and len(p["remote_block_ids"]) == 1:

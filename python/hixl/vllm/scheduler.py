@@ -139,7 +139,7 @@ class HixlScheduler:
         if p.get("do_remote_decode") and self.role != "kv_consumer" and rid not in self._prefills:
             # a router's transfer_id (ours, Mooncake's), else one from vLLM's request id (NIXL's contract:
             # the answer's remote_request_id is it)
-            tid = contracts.transfer_id_of(p.get("transfer_id")) or contracts.transfer_id_of(rid)
+            tid = contracts.prefill_transfer_id(p, rid)
             if tid is None:
                 _log.warning("hixl.vllm: request %s has no usable transfer id: its KV is not sent", rid)
                 return
@@ -148,7 +148,7 @@ class HixlScheduler:
         if not p.get("do_remote_prefill") or p.get("_hixl_staged"):
             return
         p["_hixl_staged"] = True  # a re-entry (preemption, a failed load recomputed) loads nothing again
-        want = contracts.describe_remote(p, self.config.mode)
+        want = contracts.describe_remote(p, self.config.mode, rid)
         if num_external_tokens <= 0:
             if want["why"] is None:
                 self._resolve(rid, None, want)  # the prefill need not wait for our grant
