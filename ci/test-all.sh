@@ -55,10 +55,10 @@ vllm_tier() {
     HIXL_REQUIRE_VLLM=1 HIXL_VLLM_LOGS="$ART/vllm" HIXL_VLLM_MODEL="$REPO/build/smollm2-hf" \
         "$VLLM_VENV/bin/python" -m pytest -p no:cacheprovider -q -rA --durations=15 -m "vllm and not rdma" \
         --junitxml="$ART/vllm-junit.xml" tests/vllm_tier || rc=$?
-    "$PY" ci/check_junit.py "$ART/vllm-junit.xml" --min-tests 130 \
+    "$PY" ci/check_junit.py "$ART/vllm-junit.xml" --min-tests 110 \
         --require tests.vllm_tier.test_connector_units --require tests.vllm_tier.test_pd_e2e \
         --require tests.vllm_tier.test_worker_parts --require tests.vllm_tier.test_contracts \
-        --require tests.vllm_tier.test_tp_parts --require tests.vllm_tier.test_routers \
+        --require tests.vllm_tier.test_tp_parts \
         --require tests.vllm_tier.test_tp_e2e \
         || { log "FAIL: the vLLM tier did not really pass"; return 1; }
     [ "$rc" -eq 0 ] || { log "FAIL: vLLM tier exited $rc"; return "$rc"; }

@@ -2,8 +2,11 @@
 host, compared with one vLLM instance without a connector.
 
 One cluster serves the module (starting an instance costs ~30-60 s on 2 cores): REF (no connector), P1
-and P2 (kv_producer, defaults only), D1 (kv_consumer, defaults only: shm on this host) and D2
-(kv_consumer over tcp, kv_load_failure_policy "recompute"). REF, P1 and D1 run each instance's OpenMP
+(kv_producer, defaults only), P2 (kv_producer, pull preferred: what its answers say), D1 (kv_consumer,
+defaults only: shm on this host) and D2 (kv_consumer over tcp, kv_load_failure_policy "recompute").
+``hixl proxy`` names the mode itself; the routers nobody here wrote (``vllm-router``, stand-ins for
+vLLM's push proxy, :mod:`tests.vllm_tier.standin_router`) go by the prefill's answer (the tests
+before the last). REF, P1 and D1 run each instance's OpenMP
 thread on one core; P2 and D2 run with vLLM's default thread settings (OpenMP threads on every core,
 as users start instances), and the first traffic they see is a burst of concurrent requests. Each test routes through a proxy of its own
 and uses prompts no instance has seen (a nonce first), so that no prefix-cache hit hides a transfer.
@@ -29,7 +32,9 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from hixl_tools.vllm_launch import ProxyProcess, VllmInstance, free_port, post_json, vllm_command  # noqa: E402
+from hixl_tools.vllm_launch import (ProxyProcess, RouterProcess, VllmInstance, free_port, post_json,  # noqa: E402
+                                    vllm_command)
+from tests.vllm_tier.standin_router import StandinRouter, http_host_for_remote_host, nixl_fields_only  # noqa: E402
 from tests.vllm_tier.conftest import log_marks  # noqa: E402
 
 MODEL = "smollm2"
@@ -73,7 +78,7 @@ def cluster(model_dir):
         # each instance's compute thread on one core: P1, the busiest prefill, alone on core 0
         "REF": VllmInstance("ref", model_dir, cores="1", **kw),
         "P1": VllmInstance("p1", model_dir, role="kv_producer", cores="0", **kw),
-        "P2": VllmInstance("p2", model_dir, role="kv_producer", **kw),
+        "P2": VllmInstance("p2", model_dir, role="kv_producer", extra={"mode": "pull"}, **kw),
         "D1": VllmInstance("d1", model_dir, role="kv_consumer", cores="1", **kw),
         "D2": VllmInstance("d2", model_dir, role="kv_consumer", extra={"transport": "tcp"},
                            failure_policy="recompute", **kw),
@@ -361,6 +366,74 @@ def _llm_prefill_run(cluster, proc, ps, script):
         proc.stdin.close()
         proc.wait(60)
         os.unlink(script)
+
+
+# ------------------------------------------------------------------ routers nobody here wrote
+@pytest.fixture
+def front(cluster, request):
+    """``front(kind, prefill)``: a router before ``prefill`` and D1, stopped after the test: ``vllm-router``
+    (``--vllm-pd-disaggregation``) in its ``nixl`` or ``mooncake`` mode, or a stand-in of vLLM's push proxy
+    that passes on NIXL's fields only (``nixl-fields``), or also names the prefill's HTTP host as
+    ``remote_host`` (``http-host``)."""
+    made = []
+
+    def make(kind, prefill):
+        p, d = cluster[prefill], cluster["D1"]
+        name = f"router-{request.node.name}"[:80]
+        if kind in ("nixl", "mooncake"):
+            r = RouterProcess([(p.url, p.bootstrap_port if kind == "mooncake" else None)], [d.url], kv_connector=kind,
+                              log_dir=_log_dir(), name=name)
+            log_marks(request.node, [r.log_path])
+        elif kind == "nixl-fields":
+            r = StandinRouter(p.url, d.url, nixl_fields_only, name=name)
+        else:
+            r = StandinRouter(p.url.replace("127.0.0.1", "localhost"), d.url, http_host_for_remote_host, name=name)
+        made.append(r.start())
+        return r
+    yield make
+    for r in made:
+        r.stop()
+
+
+def _through_router(cluster, r, tag, pull):
+    ps = prompts(tag)
+    ref = _reference(cluster, ps)
+    texts, dd, _, want = _run_pd(cluster, r, "D1", [], ps, lambda d: True)
+    assert texts == ref
+    _assert_all_transferred(dd, len(ps), want)
+    assert dd["pulled"] == (len(ps) if pull else 0), dd
+
+
+@pytest.mark.parametrize("prefill,mode", [("P1", "push"), ("P2", "pull")])
+def test_vllm_router_nixl_mode(cluster, front, prefill, mode):
+    """P1's answers say push: vllm-router rebuilds the decoder's params from NIXL's fields, with its own
+    request id; P2's say pull: it passes them on. Either way every prompt token comes by transfer."""
+    _through_router(cluster, front("nixl", prefill), f"router-nixl-{mode}", mode == "pull")
+
+
+def test_vllm_router_mooncake_mode(cluster, front):
+    """vllm-router asks P1's bootstrap endpoint (GET /query) for its engine, then dispatches."""
+    assert cluster["P1"].bootstrap_port
+    _through_router(cluster, front("mooncake", "P1"), "router-mooncake", False)
+
+
+@pytest.mark.parametrize("kind", ["nixl-fields", "http-host"])
+def test_router_standins(cluster, front, kind):
+    r = front(kind, "P1")
+    _through_router(cluster, r, f"standin-{kind}", False)
+    sent = [d for _, d in r.seen]
+    assert len(sent) == 4 and all("remote_block_ids" not in d for d in sent), sent
+    if kind == "http-host":
+        assert {d["remote_host"] for d in sent} == {"localhost"}, sent
+
+
+def test_standin_transforms_keep_only_nixl_s_fields():
+    answer = {"remote_engine_id": "e", "remote_request_id": "r", "remote_block_ids": [[1, 2]], "remote_host": "10.0.0.7",
+              "remote_port": 5, "tp_size": 1, "transfer_id": "t", "remote_engine": "10.0.0.7:5", "mode": "pull"}
+    out = nixl_fields_only(answer, "http://prefill-0:8000")
+    assert out == {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "e",
+                   "remote_request_id": "r", "remote_host": "10.0.0.7", "remote_port": 5, "tp_size": 1}
+    assert http_host_for_remote_host(answer, "http://prefill-0:8000") == dict(out, remote_host="prefill-0")
 
 
 def test_zz_a_prefill_killed_mid_request(cluster, proxy):
