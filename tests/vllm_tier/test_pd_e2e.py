@@ -5,7 +5,7 @@ One cluster serves the module (starting an instance costs ~30-60 s on 2 cores): 
 (kv_producer, defaults only), P2 (kv_producer, pull preferred: what its answers say), D1 (kv_consumer,
 defaults only: shm on this host) and D2 (kv_consumer over tcp, kv_load_failure_policy "recompute"), each
 instance's OpenMP thread on one core. The first traffic P1 and D1 see is a burst of concurrent requests.
-``hixl proxy`` names the mode itself; the routers nobody here wrote (``vllm-router``, stand-ins for
+``hixl proxy`` follows a prefill's preference unless ``--mode`` names one; the routers nobody here wrote (``vllm-router``, stand-ins for
 vLLM's push proxy, :mod:`tests.vllm_tier.standin_router`) go by the prefill's answer (the tests
 before the last). Each test routes through a proxy of its own and uses prompts no instance has seen (a nonce first), so that no prefix-cache hit hides a transfer.
 
@@ -272,7 +272,7 @@ def test_over_tcp(cluster, proxy, mode):
 def test_two_prefills_into_one_decoder_concurrently(cluster, proxy):
     ps = prompts("two-prefills") + prompts("two-prefills-b")
     ref = _reference(cluster, ps)
-    px = proxy(["P1", "P2"], ["D1"])
+    px = proxy(["P1", "P2"], ["D1"], "--mode", "push")  # P2's answers prefer pull
     texts, dd, pd, want = _run_pd(cluster, px, "D1", ["P1", "P2"], ps, lambda d: d["sent"] >= len(ps) // 2)
     assert texts == ref
     _assert_all_transferred(dd, len(ps), want)
@@ -418,7 +418,7 @@ def test_zz_a_prefill_killed_mid_request(cluster, proxy):
     """P2 is killed while it computes a prompt whose decoder (D1) already granted its blocks: the client
     gets an HTTP 502 naming P2 at once, D1 ends its side (no hang, no blocks kept), /health names P2 as
     down, and P1 and D1 go on serving. (Last: P2 stays dead.)"""
-    px = proxy(["P2", "P1"], ["D1"])
+    px = proxy(["P2", "P1"], ["D1"], "--mode", "push")  # a grant reaches P2 while it computes
     long_prompt = prompts("kill")[3] + " " + _text(500, 99)
     t0 = time.monotonic()
     complete(cluster["REF"].url, prompts("kill-timing")[3] + " " + _text(500, 98), max_tokens=1)
