@@ -55,13 +55,18 @@ class StandinRouter:
         return self
 
     def stop(self) -> None:
-        if self._loop is not None:
+        if self._loop is not None and self._thread.is_alive():
             self._loop.call_soon_threadsafe(self._stop.set)
             self._thread.join(30)
 
     def _serve(self) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._loop.run_until_complete(self._main())
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        try:
+            loop.run_until_complete(self._main())
+        finally:  # closed here, not by the garbage collector in some later test (a ResourceWarning there)
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()
 
     async def _main(self) -> None:
         self._stop = asyncio.Event()
