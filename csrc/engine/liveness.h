@@ -6,8 +6,8 @@
 //  * a peer on this host (same boot id): its process (the pid from its handshake) exists and is not
 //    stopped (SIGSTOP, a debugger), traced-stopped, a zombie or dead (/proc/PID/stat);
 //  * a peer on another host: its kernel acknowledges what we send on the control connection (our
-//    pings): no byte unacknowledged for longer than twice the ping interval (TCP_INFO). A frozen or
-//    unreachable host acknowledges nothing.
+//    pings): an acknowledgement within the last two ping intervals (TCP_INFO). A frozen or
+//    unreachable host, or a link down on our side, acknowledges nothing.
 // Alive peers keep their link up to kSlowPeerFactor times the bound; a process stopped on another
 // host (its kernel still acknowledging) is found at that later bound.
 #pragma once
