@@ -23,7 +23,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .layout import BlockMemory
+from .layout import BlockMemory, merge_runs
 
 ORDERS = ("head", "token")
 
@@ -141,20 +141,6 @@ def _unit_bases(mem: BlockMemory, blocks: np.ndarray, layers: Sequence[int]) -> 
     parts = np.arange(mem.parts, dtype=np.int64)
     return (la[:, None, None] + parts[None, :, None] * mem.part_stride
             + blocks[None, None, :] * mem.block_stride).ravel()
-
-
-def merge_runs(loc: np.ndarray, rem: np.ndarray, ln: np.ndarray) -> np.ndarray:
-    """``(local, remote, len)`` runs as a ``(N, 3)`` uint64 descriptor array, each run that continues
-    the one before on both sides merged into it."""
-    if not len(loc):
-        return np.zeros((0, 3), np.uint64)
-    cont = (loc[:-1] + ln[:-1] == loc[1:]) & (rem[:-1] + ln[:-1] == rem[1:])
-    starts = np.flatnonzero(np.concatenate(([True], ~cont)))
-    out = np.empty((len(starts), 3), np.uint64)
-    out[:, 0] = loc[starts]
-    out[:, 1] = rem[starts]
-    out[:, 2] = np.add.reduceat(ln, starts)
-    return out
 
 
 def sliced_desc_array(local: BlockMemory, local_heads: HeadSlice, local_blocks: Sequence[Optional[int]],

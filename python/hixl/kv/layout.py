@@ -188,14 +188,7 @@ def block_desc_array(layout: KVLayout, local: BlockMemory, local_blocks: Sequenc
     loc = (la[:, None, None] + parts[None, :, None] * local.part_stride + lb[None, None, :] * local.block_stride).ravel()
     rem = (ra[:, None, None] + parts[None, :, None] * remote.part_stride + rb[None, None, :] * remote.block_stride).ravel()
     ln = np.broadcast_to(n, (len(layers), local.parts, len(js))).ravel()
-    # Merge runs: descriptor k+1 continues k when both sides are contiguous.
-    cont = (loc[:-1] + ln[:-1] == loc[1:]) & (rem[:-1] + ln[:-1] == rem[1:])
-    starts = np.flatnonzero(np.concatenate(([True], ~cont)))
-    out = np.empty((len(starts), 3), np.uint64)
-    out[:, 0] = loc[starts]
-    out[:, 1] = rem[starts]
-    out[:, 2] = np.add.reduceat(ln, starts)
-    return out
+    return merge_runs(loc, rem, ln)  # descriptor k+1 continues k when both sides are contiguous
 
 
 def block_descs(layout: KVLayout, local: BlockMemory, local_blocks: Sequence[Optional[int]], remote: BlockMemory,
@@ -204,3 +197,17 @@ def block_descs(layout: KVLayout, local: BlockMemory, local_blocks: Sequence[Opt
     """:func:`block_desc_array` as a list of ``(local, remote, len)`` tuples."""
     return [(int(a), int(b), int(n)) for a, b, n in
             block_desc_array(layout, local, local_blocks, remote, remote_blocks, layers, n_tokens, js)]
+
+
+def merge_runs(loc: np.ndarray, rem: np.ndarray, ln: np.ndarray) -> np.ndarray:
+    """``(local, remote, len)`` runs as a ``(N, 3)`` uint64 descriptor array, each run that continues
+    the one before on both sides merged into it."""
+    if not len(loc):
+        return np.zeros((0, 3), np.uint64)
+    cont = (loc[:-1] + ln[:-1] == loc[1:]) & (rem[:-1] + ln[:-1] == rem[1:])
+    starts = np.flatnonzero(np.concatenate(([True], ~cont)))
+    out = np.empty((len(starts), 3), np.uint64)
+    out[:, 0] = loc[starts]
+    out[:, 1] = rem[starts]
+    out[:, 2] = np.add.reduceat(ln, starts)
+    return out
