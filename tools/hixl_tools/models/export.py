@@ -89,12 +89,7 @@ def export_smollm2(out: str, *, gguf: Optional[str] = None, force: bool = False,
         with open(os.path.join(tmp, _MARKER), "w") as f:
             json.dump({"source": name, "source_bytes": os.path.getsize(src), "tensors": len(tensors),
                        "parameters": int(sum(t.numel() for t in tensors.values()))}, f, indent=2)
-        os.chmod(tmp, 0o755)
-        for f in os.listdir(tmp):
-            os.chmod(os.path.join(tmp, f), 0o644)
-        if os.path.exists(out):
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        publish_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -121,3 +116,13 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def publish_dir(tmp: str, out: str) -> None:
+    """Makes the finished directory ``tmp`` the model at ``out`` (readable by all; a previous one replaced)."""
+    os.chmod(tmp, 0o755)
+    for f in os.listdir(tmp):
+        os.chmod(os.path.join(tmp, f), 0o644)
+    if os.path.exists(out):
+        shutil.rmtree(out)
+    os.replace(tmp, out)

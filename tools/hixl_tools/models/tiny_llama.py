@@ -28,6 +28,7 @@ import time
 from typing import Dict, List, Optional
 
 from .._extras import hint
+from .export import publish_dir
 from .smollm2 import gguf_path
 
 __all__ = ["spec_dict", "write_tiny_llama", "greedy_margin", "main", "MIN_MARGIN", "PROMPTS"]
@@ -123,12 +124,7 @@ def _save(model, tok, spec: Dict, margin: float, out: str) -> None:
                          pad_token_id=cfg.get("pad_token_id")).save_pretrained(tmp)
         with open(os.path.join(tmp, _MARKER), "w") as f:
             json.dump({"spec": spec, "smallest_relative_greedy_margin": margin, "tensors": len(state)}, f, indent=2)
-        os.chmod(tmp, 0o755)
-        for f in os.listdir(tmp):
-            os.chmod(os.path.join(tmp, f), 0o644)
-        if os.path.exists(out):
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        publish_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
