@@ -151,6 +151,7 @@ void Engine::close_if_not_reading(const std::shared_ptr<Link>& link, Clock::time
 }
 
 void Engine::progress_loop() {
+  progress_id_ = std::this_thread::get_id();
   std::vector<pollfd> pfds;
   std::vector<std::shared_ptr<Link>> polled;
   while (!stop_) {
@@ -208,6 +209,7 @@ void Engine::progress_loop() {
 // Its own thread: an abort waits seconds for the peer's confirmation (that runs on a worker), which
 // must not hold up the progress thread's frames or anyone's handshake. Pings are queued (link.h).
 void Engine::watchdog_loop() {
+  watchdog_id_ = std::this_thread::get_id();
   const int hb = opts_.heartbeat_ms;
   const auto tick = milliseconds(hb > 0 ? std::clamp(hb / 4, 10, 100) : 100);
   std::unique_lock<std::mutex> lk(watchdog_mu_);

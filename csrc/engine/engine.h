@@ -210,6 +210,7 @@ class Engine {
   // Unpublishes the link and closes it (idempotent; counted once, under cause). Cause::kDisconnect:
   // our own disconnect().
   void remove_link(const std::shared_ptr<Link>& link, const std::string& why, Metrics::Cause cause);
+  void close_path(const std::shared_ptr<transport::DataPath>& path, Metrics::Cause cause);
   bool take_closed(const std::string& key);  // a link to key ended without our disconnect()
   void accept_loop();
   void accept_incoming();
@@ -325,6 +326,7 @@ class Engine {
   std::atomic<bool> stop_{false};
   std::thread progress_;
   std::thread watchdog_;
+  std::atomic<std::thread::id> progress_id_{}, watchdog_id_{};  // set by those threads: close_path()
   std::mutex watchdog_mu_;
   std::condition_variable watchdog_cv_;
   std::mutex workers_mu_;

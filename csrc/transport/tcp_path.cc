@@ -191,9 +191,12 @@ Result TcpPath::execute(Op op, const std::vector<Desc>& descs, Clock::time_point
     iov.assign(1, iovec{buf.data(), buf.size()});
     for (size_t i = 0; write && i < n; ++i)
       iov.push_back(iovec{reinterpret_cast<void*>(descs[first + i].local_addr), descs[first + i].length});
-    Io r = xferv(fd, iov.data(), iov.size(), true, deadline, nullptr, &err);
+    // stopping_ ends every wait at once on close(): a shut-down socket still yields what the peer
+    // keeps sending, so a slow read would otherwise hold close(), and the thread that called it, for
+    // as long as the peer sends.
+    Io r = xferv(fd, iov.data(), iov.size(), true, deadline, &stopping_, &err);
     uint8_t rep[kReply];
-    if (r == Io::kOk) r = xfer(fd, rep, sizeof rep, false, deadline, nullptr, &err);
+    if (r == Io::kOk) r = xfer(fd, rep, sizeof rep, false, deadline, &stopping_, &err);
     if (r != Io::kOk)
       return fail(r == Io::kTimeout ? Status::kTimeout : Status::kFailed,
                   std::string(write ? "write" : "read") + " " + io_name(r) + (err ? ": " + errno_str(err) : ""));
@@ -206,7 +209,7 @@ Result TcpPath::execute(Op op, const std::vector<Desc>& descs, Clock::time_point
       iov.clear();
       for (size_t i = 0; i < n; ++i)
         iov.push_back(iovec{reinterpret_cast<void*>(descs[first + i].local_addr), descs[first + i].length});
-      r = xferv(fd, iov.data(), iov.size(), false, deadline, nullptr, &err);
+      r = xferv(fd, iov.data(), iov.size(), false, deadline, &stopping_, &err);
       if (r != Io::kOk)
         return fail(r == Io::kTimeout ? Status::kTimeout : Status::kFailed,
                     std::string("read payload ") + io_name(r) + (err ? ": " + errno_str(err) : ""));
