@@ -7,8 +7,10 @@ failures it reports are checked directly.
 The modules import vLLM (``hixl.vllm`` does on import), hence the vLLM tier."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import threading
 import time
 
 import numpy as np
@@ -181,6 +183,34 @@ def test_the_producer_pushes_a_requests_blocks_to_the_decoder_its_grant_names(ri
     assert plinks.posted == []  # delivered: nothing to tell the decoder
     assert len(p.stats.take().data["send_bytes"]) == 1
     assert c.stats.take().data["recv_tokens"] == [N_TOKENS]
+
+
+def test_an_idle_prefill_step_waits_for_the_decoders_grant_instead_of_spinning(rig):
+    """Blocks held for a grant keep vLLM stepping: an idle step waits (up to idle_wait_ms) for the
+    grant instead of returning at once, and the grant ends that wait early."""
+    plinks, dlinks = FakeLinks(), FakeLinks()
+    p, p_engine, _ = rig.producer(plinks, idle_wait_ms=200)
+    c, _, _ = rig.consumer(dlinks)
+    _prefill(p)  # computed and finished: its blocks are held for a grant that has not come
+    assert p.finished({"r"}) == set()
+    t0 = time.monotonic()
+    for _ in range(3):
+        assert p.finished(set(), True) == set()
+    idle = time.monotonic() - t0
+    t0 = time.monotonic()
+    for _ in range(3):
+        assert p.finished(set(), False) == set()  # a step that computes something never waits
+    busy = time.monotonic() - t0
+    assert idle >= 3 * 0.2 * 0.9 and busy < 0.1, (idle, busy)
+    d, g = _grant(c, dlinks, p_engine.local_engine)
+    plinks.peers.add(g.decode)
+    threading.Timer(0.3, p.on_grant, ("t", d)).start()
+    p.config = dataclasses.replace(p.config, idle_wait_ms=5000)
+    t0 = time.monotonic()
+    while not p.finished(set(), True):  # the grant wakes the wait; the push then completes the send
+        assert time.monotonic() - t0 < 4.0, "the grant did not end the idle step's wait"
+    assert time.monotonic() - t0 < 4.0
+    assert _finished(c) is False
 
 
 def test_a_grant_from_a_decoder_without_a_link_fails_and_the_decoder_hears_why(rig):

@@ -6,7 +6,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import asdict
-from typing import Any, Deque, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Deque, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -86,10 +86,13 @@ class KVSender:
     def __init__(self, engine: Hixl, layout: KVLayout, num_blocks: Optional[int] = None, *,
                  max_requests: Optional[int] = None, max_targets: int = 8, aux_bytes: int = 256,
                  memory: str = "acl", max_inflight: int = 64, timeout: float = 60.0,
-                 pool: Optional[KVPool] = None, heads: Optional[HeadSlice] = None):
+                 pool: Optional[KVPool] = None, heads: Optional[HeadSlice] = None,
+                 on_settled: Optional[Callable[[str], None]] = None):
         """``max_requests`` requests at once (default ``num_blocks``), each sent to at most
         ``max_targets`` decoders on average (each target stages its aux bytes in a slot of its own).
-        ``heads``: the KV heads our blocks hold (tensor parallelism), which head-sliced grants need."""
+        ``heads``: the KV heads our blocks hold (tensor parallelism), which head-sliced grants need.
+        ``on_settled(request_id)``: called (on the reaper thread) when a request has no write in flight
+        any more, so a caller can wait for that instead of polling :meth:`stats`."""
         self.engine, self.layout, self.heads = engine, layout, heads
         self._own_pool = pool is None  # a pool passed in is the caller's: close() leaves it open
         if pool is None:
@@ -101,6 +104,7 @@ class KVSender:
             raise ValueError(f"KVSender: the pool's layout {pool.layout} is not {layout}")
         self.pool = pool
         self.max_inflight, self.timeout = int(max_inflight), float(timeout)
+        self._on_settled = on_settled
         self._cv = threading.Condition()
         self._reqs: Dict[str, _Request] = {}
         self._queue: Deque[Tuple[int, str, float]] = deque()  # (engine req, request id, submitted)
@@ -393,12 +397,14 @@ class KVSender:
                 break
             t_done = time.monotonic()
             tell: List[_Target] = []
+            settled = False
             with self._cv:
                 self._queue.popleft()
                 self._inflight -= 1
                 r = self._reqs.get(rid)
                 if r is not None:
                     r.inflight -= 1
+                    settled = r.inflight == 0
                     r.intervals.append((t_sub, t_done))
                     if err:
                         r.errors.append(err)
@@ -406,6 +412,8 @@ class KVSender:
                     tell = self._failures_to_send_locked(r)
                 self._cv.notify_all()
             self._send_failures(rid, tell)
+            if settled and self._on_settled is not None:
+                self._on_settled(rid)
 
     def _failures_to_send_locked(self, r: _Request) -> List[_Target]:
         """The targets whose push failed, once none of the request's transfers is in flight any

@@ -70,8 +70,9 @@ OPTIONS: Dict[str, Tuple[str, Callable[[Any], Any], Any, str]] = {
     "connect_timeout_ms": ("HIXL_VLLM_CONNECT_TIMEOUT_MS", _number(int, 1, 600000), 5000,
                            "timeout of a hixl connect to a peer"),
     "idle_wait_ms": ("HIXL_VLLM_IDLE_WAIT_MS", _number(float, 0, 1000), 5.0,
-                     "decoder: in a step with nothing to compute, wait up to this long on the completion-flag fd "
-                     "(blocking, no spin) instead of letting vLLM step again after 1 ms"),
+                     "in a step with nothing to compute, wait up to this long (blocking, no spin) instead of letting "
+                     "vLLM step again after 1 ms: a decoder for a completion flag, a prefill holding blocks for a "
+                     "decoder's message"),
     "bootstrap_port": ("HIXL_VLLM_BOOTSTRAP_PORT", _number(int, 0, 65535), None,
                        "prefill (kv_producer, kv_both): port of the Mooncake-compatible bootstrap endpoint "
                        "(GET /query names the hixl engine of each rank; vllm-router's mooncake mode asks it); "

@@ -78,8 +78,9 @@ class Producer:
     def __init__(self, engine: Hixl, pool: kv.KVPool, layout: kv.KVLayout, config: ConnectorConfig,
                  stats: Recorder, links: Links, interior: str, heads: Optional[kv.HeadSlice] = None):
         self.layout, self.config, self.stats, self.links, self.interior = layout, config, stats, links, interior
+        self._wake = threading.Event()  # a decoder's message came, or our writes settled: finished() waits
         self.tx = kv.KVSender(engine, layout, pool=pool, max_inflight=config.max_inflight, timeout=config.timeout_s,
-                              heads=heads)
+                              heads=heads, on_settled=lambda _rid: self._wake.set())
         self._lock = threading.Lock()
         self._sends: Dict[str, _Send] = {}         # by vLLM request id
         self._by_tid: Dict[str, _Send] = {}
@@ -222,6 +223,7 @@ class Producer:
                                                     f"{interior}: they cannot be copied as they are")
             return
         whole, why = self._take_grant(tid, g, fanin)
+        self._wake.set()
         if why is not None:
             self.links.post(g.decode, "abort", tid, why)
         elif whole is not None:
@@ -285,6 +287,7 @@ class Producer:
                 s.dead = s.dead or reason
                 s.cancel = s.cancelled_by = decode
         _log.info("hixl.vllm: transfer %s cancelled by the decoder: %s", tid, why)
+        self._wake.set()
         if s is None:
             self.links.post(decode, "cancelled", tid)
 
@@ -298,6 +301,7 @@ class Producer:
                 self._released[tid] = True
                 while len(self._released) > _MAX_REMEMBERED:
                     self._released.popitem(last=False)
+        self._wake.set()
 
     def _remember(self, tid: str, why: str) -> None:
         self._gone[tid] = why
@@ -336,8 +340,21 @@ class Producer:
                                                 f"({self.config.lease_s:g} s)")
 
     # -- the end of a request (forward thread, get_finished) --------------------------------------
-    def finished(self, finished_req_ids: set) -> set:
-        """Requests whose held blocks vLLM may free now."""
+    def finished(self, finished_req_ids: set, idle: bool = False) -> set:
+        """Requests whose held blocks vLLM may free now. ``idle``: nothing is computed in this step.
+
+        Blocks held for a decoder keep vLLM stepping, and between steps its worker spins on its core:
+        an idle step that has nothing to give back yet waits up to ``idle_wait_ms`` for a decoder's
+        message (blocking, GIL released) instead. On a core it shares with the decoder, the spinning
+        prefill starved the very decoder whose grant it waited for."""
+        self._wake.clear()
+        out = self._finished(finished_req_ids)
+        if not out and idle and self._sends and self.config.idle_wait_ms > 0:
+            self._wake.wait(self.config.idle_wait_ms / 1000.0)
+            out = self._finished(set())  # our writes may have completed meanwhile too
+        return out
+
+    def _finished(self, finished_req_ids: set) -> set:
         now = time.monotonic()
         out = set()
         with self._lock:

@@ -307,7 +307,7 @@ class HixlWorker:
         # next step (or their timeout)
         try:
             if self.producer is not None:
-                sending = self.producer.finished(finished_req_ids)
+                sending = self.producer.finished(finished_req_ids, idle)
         except Exception:
             _log.exception("hixl.vllm: prefill side of get_finished")
         try:
