@@ -42,6 +42,22 @@ tier1() {
         --junitxml="$ART/host-junit.xml" tests
 }
 
+# The fuzzer is one process on one core for a fixed time: ctest and the host pytest run beside it on the
+# other, instead of after it.
+tier1_all() {
+    local frc=0 crc=0 prc=0
+    bash ci/fuzz.sh "${HIXL_FUZZ_SECONDS:-60}" > "$ART/fuzz.log" 2>&1 &
+    local fuzz=$!
+    ctest_ || crc=$?
+    [ "$crc" -ne 0 ] || tier1 || prc=$?
+    wait "$fuzz" || frc=$?
+    cat "$ART/fuzz.log"
+    [ "$frc" -eq 0 ] || log "FAIL: libFuzzer (ci/fuzz.sh) exited $frc"
+    [ "$crc" -eq 0 ] || log "FAIL: ctest exited $crc"
+    [ "$prc" -eq 0 ] || log "FAIL: the host pytest exited $prc"
+    [ "$frc" -eq 0 ] && [ "$crc" -eq 0 ] && [ "$prc" -eq 0 ]
+}
+
 bench_host() {
     bash ci/bench.sh --smoke host
 }
@@ -55,11 +71,12 @@ vllm_tier() {
     HIXL_REQUIRE_VLLM=1 HIXL_VLLM_LOGS="$ART/vllm" HIXL_VLLM_MODEL="$REPO/build/smollm2-hf" \
         "$VLLM_VENV/bin/python" -m pytest -p no:cacheprovider -q -rA --durations=15 -m "vllm and not rdma and not open_defect" \
         --junitxml="$ART/vllm-junit.xml" tests/vllm_tier || rc=$?
-    "$PY" ci/check_junit.py "$ART/vllm-junit.xml" --min-tests 106 \
+    "$PY" ci/check_junit.py "$ART/vllm-junit.xml" --min-tests 111 \
         --require tests.vllm_tier.test_connector_units --require tests.vllm_tier.test_pd_e2e \
         --require tests.vllm_tier.test_worker_parts --require tests.vllm_tier.test_contracts \
         --require tests.vllm_tier.test_tp_parts \
         --require tests.vllm_tier.test_tp_e2e \
+        --require tests.vllm_tier.test_default_threads \
         || { log "FAIL: the vLLM tier did not really pass"; return 1; }
     [ "$rc" -eq 0 ] || { log "FAIL: vLLM tier exited $rc"; return "$rc"; }
 }
@@ -97,9 +114,7 @@ two_host() {
 
 [ "${HIXL_SKIP_DEPS:-0}" = 1 ] || step "install: apt and pip (ci/install-deps.sh)" deps
 step "build: the wheels of hixl and hixl-tools, installed here" wheels
-step "tier 1: C++ unit tests (ctest)" ctest_
-step "tier 1: libFuzzer over the wire parsers (ci/fuzz.sh)" bash ci/fuzz.sh "${HIXL_FUZZ_SECONDS:-60}"
-step "tier 1: pytest, no device" tier1
+step "tier 1: ctest, then pytest with no device; libFuzzer beside them" tier1_all
 [ "$BENCH" = 0 ] || step "bench smoke: host (sweep, PD pipeline, descriptors)" bench_host
 step "vLLM: its environment (ci/install-vllm.sh)" vllm_env
 step "vLLM tier: connector parts and vllm serve instances" vllm_tier

@@ -1,11 +1,11 @@
 """A fresh push/pull pair started with vLLM's default thread settings (no ``OMP_NUM_THREADS``, no
-``VLLM_CPU_OMP_THREADS_BIND``: each instance's OpenMP threads on every core, as users start instances),
-its first traffic a burst of concurrent requests, compared token for token with one instance.
+``VLLM_CPU_OMP_THREADS_BIND``: vLLM binds each worker where it chooses; on this 2-core host both workers
+share core 0), its first traffic a burst of concurrent requests, compared token for token with one
+instance.
 
-Marked ``open_defect``: on this 2-core host the decoder's hixl engine can go silent for 60 s in this
-setting while its process runs (the prefill's heartbeat then keeps the link as slow and closes it at
-6 x the bound, and the loads fail). CI leaves it out until that is fixed (docs/testing.md); run it by
-hand with ``-m open_defect``.
+It guards what made such a pair lose its first burst: a prefill holding blocks for a decoder's grant
+kept vLLM stepping, and its worker spun on the core its decoder needed to send that grant, until the
+heartbeat gave up (the producer's idle wait, docs/vllm.md ``idle_wait_ms``).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from hixl_tools.vllm_launch import ProxyProcess, VllmInstance  # noqa: E402
 from tests.vllm_tier import test_pd_e2e as pd  # noqa: E402  (its helpers; its tests stay there)
 from tests.vllm_tier.conftest import log_marks  # noqa: E402
 
-pytestmark = [pytest.mark.vllm, pytest.mark.open_defect]
+pytestmark = pytest.mark.vllm
 model_dir = pd.model_dir
 
 

@@ -9,10 +9,8 @@ in the first direction, Y for X in the second. Completions must equal REF's toke
 decoder's counters must show that the whole prompt came by transfer; the first requests of each direction
 go at once.
 
-Both directions are marked ``open_defect``: with a TP=2 instance on both cores beside two others, a
-rank's hixl engine can fail to answer a notify within 5 s (the describe or grant then fails, or the
-prefill's lease runs out); CI leaves them out until that is fixed (docs/testing.md). The worker-level
-tests (``test_tp_parts``) move every head between real engines of different TP in CI.
+The worker-level tests (``test_tp_parts``) move every head between real engines of different TP too,
+without vLLM.
 
 ``HIXL_VLLM_TP_CONNECTOR=NixlConnector`` runs the same with vLLM's NixlConnector (behind vllm-router in
 both directions: ``hixl proxy`` does not front it), to check the harness itself.
@@ -104,7 +102,6 @@ def _assert_by_transfer(dd, ps, want):
         assert dd["external"] >= want - len(ps) and dd["local"] <= len(ps), (dd, want)
 
 
-@pytest.mark.open_defect  # the starved-engine defect (docs/testing.md)
 def test_prefill_tp2_to_decode_tp1_push_behind_hixl_proxy(cluster, request):
     ps = pd.prompts("tp2-to-tp1")
     ref = pd._reference(cluster, ps)
@@ -126,7 +123,6 @@ def test_prefill_tp2_to_decode_tp1_push_behind_hixl_proxy(cluster, request):
         assert dd["pulled"] == 0, dd
 
 
-@pytest.mark.open_defect  # the starved-engine defect (docs/testing.md)
 def test_prefill_tp1_to_decode_tp2_pull_behind_vllm_router(cluster, request):
     ps = pd.prompts("tp1-to-tp2")
     ref = pd._reference(cluster, ps)
