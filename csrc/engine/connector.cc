@@ -10,6 +10,7 @@
 #include "auth/handshake.h"
 #include "engine/engine.h"
 #include "engine/internal.h"
+#include "engine/liveness.h"
 #include "transport/shm_path.h"
 #include "transport/tcp_path.h"
 #include "verbs/error.h"
@@ -604,9 +605,16 @@ bool Engine::proven_dead(const std::shared_ptr<Link>& link, Clock::time_point de
     *how = "the peer answered a ping";
     return false;
   }
-  *how = "nothing from the peer for " +
-         std::to_string(std::chrono::duration_cast<milliseconds>(Clock::now() - start).count()) +
-         " ms after a ping";
+  const auto waited = std::chrono::duration_cast<milliseconds>(Clock::now() - start);
+  // Silent, but alive and slow (a starved process: liveness.h) is not dead: the heartbeat keeps such
+  // a link, and so does a claim. An acknowledgement counts only when it came after our ping went out.
+  const std::string alive = peer_alive_evidence(link->peer_same_host, link->peer_pid, link->ctrl.fd(),
+                                                std::max(1, int(waited.count() / 2)));
+  if (!alive.empty()) {
+    *how = "no answer to a ping for " + std::to_string(waited.count()) + " ms, but " + alive;
+    return false;
+  }
+  *how = "nothing from the peer for " + std::to_string(waited.count()) + " ms after a ping";
   return true;
 }
 

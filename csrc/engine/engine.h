@@ -243,7 +243,9 @@ class Engine {
                   bool listens, std::chrono::steady_clock::time_point deadline);
   // The liveness probe of a link a new connection claims the name of, holding no lock: true (and
   // *how) when it closed, its peer closed the control connection, or nothing came from the peer
-  // within kLivenessProbeMs of a ping; false when the peer answered (*how says so).
+  // within kLivenessProbeMs of a ping and nothing shows it alive (liveness.h: its process runs on
+  // this host, or its host acknowledged the ping); false when the peer answered or is alive but
+  // slow (*how says so).
   bool proven_dead(const std::shared_ptr<Link>& link, std::chrono::steady_clock::time_point deadline,
                    std::string* how);
   bool authenticate_peer(oob::Socket& s, const std::string& from, std::chrono::steady_clock::time_point deadline);

@@ -84,8 +84,9 @@ std::string LinkTable::claim_incoming(const std::string& key, const std::string&
   *code = kAlreadyConnected;
   auto it = links_.find(key);
   // A Connect from a peer we have a link to means that peer dropped its end (a disconnect whose
-  // goodbye is still in flight, or a restart): the new connection supersedes the old one. Only a
-  // second client-only engine from the same IP (same name, another instance) is refused.
+  // goodbye is still in flight, or a restart) or is an impostor: the caller lets the new connection
+  // supersede the old one only once the old link is proven dead (*current; connector.cc). A second
+  // client-only engine from the same IP (same name, another instance) is refused here.
   if (it != links_.end() && !peer_listens && it->second->peer_instance != peer_instance)
     return "another client-only engine from " + key + " is connected to " + self +
            "; give each client a port to tell them apart";

@@ -134,8 +134,9 @@ constexpr int kMaxHandshakesPerHost = 32;
 // ones when the slots are full (handshakes.h).
 constexpr int kFirstBytesTimeoutMs = 3000;
 // A claim for a name that has a live link: the old link is probed (a ping) for this long; it is dead
-// when its connection closed meanwhile, or when nothing at all came from the peer (the heartbeat
-// declares a silent link dead only after heartbeat_ms * heartbeat_misses).
+// when its connection closed meanwhile, or when nothing at all came from the peer and nothing shows
+// it alive but slow (liveness.h; the heartbeat declares a silent link dead only after heartbeat_ms *
+// heartbeat_misses, a slow one later still).
 constexpr int kLivenessProbeMs = 1500;
 // Links from one source address that peers opened to us (its engines' listening names, one
 // client-only name): beyond that a new one is refused (RESOURCE_EXHAUSTED). A host runs one engine

@@ -17,7 +17,9 @@ a raw client speaks tcp only.
 """
 from __future__ import annotations
 
+import os
 import select
+import signal
 import socket
 import struct
 import subprocess
@@ -42,6 +44,8 @@ SIZE = 1 << 16
 MAX_HELD_NOTIFIES = 4 * hixl.MAX_UNREAD_NOTIFIES  # engine::kMaxHeldNotifies
 MAX_LINKS_PER_HOST = 64                           # engine::kMaxLinksPerHost
 HANDSHAKE_SLOTS, SLOTS_PER_HOST = 256, 32         # engine::kMaxHandshakes, kMaxHandshakesPerHost
+with open("/proc/sys/kernel/random/boot_id") as _f:
+    BOOT_ID = _f.read().strip()                   # a peer with it runs on this host (pid checked)
 
 
 @pytest.fixture(autouse=True)
@@ -70,20 +74,21 @@ def _port(e):
     return int(e.local_engine.rsplit(":", 1)[1])
 
 
-def claim(port, name, source, token=None):
-    """A raw client from `source` claiming `name`: (socket, frame type of the answer, its payload)."""
+def claim(port, name, source, token=None, **payload):
+    """A raw client from `source` claiming `name`: (socket, frame type of the answer, its payload).
+    payload: more of connect_payload()'s fields (boot_id, pid)."""
     s = raw(port, source=source)
     if token:
         t, _, _, _ = py_client_auth(s, token)
         assert t == AUTH_PROOF
-    s.sendall(frame(CONNECT, connect_payload(name=name, offers=TCP_BIT)))
+    s.sendall(frame(CONNECT, connect_payload(name=name, offers=TCP_BIT, **payload)))
     t, payload = read_frame(s)
     return s, t, payload
 
 
-def link_raw(port, name, source, token=None):
+def link_raw(port, name, source, token=None, **payload):
     """A raw client that completes the handshake as `name`: the linked socket."""
-    s, t, payload = claim(port, name, source, token)
+    s, t, payload = claim(port, name, source, token, **payload)
     assert t == ACCEPT, refusal(payload) if t == REFUSE else t
     s.sendall(frame(READY))
     t, _ = read_frame(s)
@@ -204,14 +209,28 @@ def test_a_peer_that_comes_back_takes_its_name_at_once_and_a_live_one_keeps_it(m
     # The old connection closed: the new one gets the name at once.
     first = link_raw(_port(a), name, "127.0.0.2")
     first.close()
+    hung = subprocess.Popen(["sleep", "60"])
+    os.kill(hung.pid, signal.SIGSTOP)
+    try:
+        # It comes back as a peer on this host whose process is stopped (hung) from now on.
+        t0 = time.monotonic()
+        second = link_raw(_port(a), name, "127.0.0.2", boot_id=BOOT_ID, pid=hung.pid)
+        assert time.monotonic() - t0 < 1.0
+        # The old connection open but silent, its process stopped: the probe's ping goes unanswered.
+        t0 = time.monotonic()
+        third = link_raw(_port(a), name, "127.0.0.2")
+        assert time.monotonic() - t0 < 3.0
+        second.close()
+    finally:
+        hung.kill()
+        hung.wait()
+    # The old connection open and silent, but its host acknowledges the ping (another host, as far as a
+    # knows: a starved peer, slow not dead, as the heartbeat judges it): it keeps the name.
     t0 = time.monotonic()
-    second = link_raw(_port(a), name, "127.0.0.2")
-    assert time.monotonic() - t0 < 1.0
-    # The old connection open but silent (a crashed host): the probe's ping goes unanswered.
-    t0 = time.monotonic()
-    third = link_raw(_port(a), name, "127.0.0.2")
+    s, t, payload = claim(_port(a), name, "127.0.0.2")
+    s.close()
+    refused(t, payload, ALREADY_CONNECTED, "its host acknowledges")
     assert time.monotonic() - t0 < 3.0
-    second.close()
     # The old connection answering pings: it keeps the name.
     stop = threading.Event()
     th = threading.Thread(target=_answer_pings, args=(third, stop))
