@@ -1,5 +1,6 @@
 #include "engine/handshakes.h"
 
+#include <poll.h>
 #include <sys/socket.h>
 
 #include "engine/types.h"
@@ -57,11 +58,25 @@ uint64_t Handshakes::take_locked(const std::string& host, const std::string& fro
   return id;
 }
 
+namespace {
+// Nothing has come on s yet (its thread may not have looked): a poll that does not wait.
+bool quiet(const oob::Socket* s) {
+  if (!s || !s->valid()) return false;
+  pollfd p{s->fd(), POLLIN, 0};
+  return ::poll(&p, 1, 0) == 0;
+}
+}  // namespace
+
 bool Handshakes::drop_oldest_locked(const std::string* host, std::string* victim) {
-  for (Stage stage : {Stage::kIdle, Stage::kStarted}) {
+  // First the slots known to be idle: their thread watches the socket and nothing came on it. A slot
+  // whose bytes came before its thread looked (e.g. a peer's tcp data connection, whose Attach the
+  // peer does not wait to see answered) is not idle; nor is one whose thread has not started.
+  // Then any unsettled one.
+  for (bool idle_only : {true, false}) {
     for (auto& [id, slot] : slots_) {
       (void)id;
-      if (slot.dropped || slot.stage != stage || (host && slot.host != *host)) continue;
+      if (slot.dropped || slot.stage == Stage::kSettled || (host && slot.host != *host)) continue;
+      if (idle_only && (slot.stage != Stage::kIdle || !quiet(slot.socket))) continue;
       slot.dropped = true;
       --serving_;
       auto it = by_host_.find(slot.host);

@@ -5,7 +5,8 @@
 // An incoming slot goes through stages: idle (accepted, nothing received yet), started (bytes came,
 // the peer has not proved anything yet) and settled (it proved the token, or without one its first
 // frame came whole). A new connection over a limit takes the slot of the oldest idle one (of its own
-// address when that address is at its limit, else of any), else of the oldest started one; only when
+// address when that address is at its limit, else of any; idle for sure: its thread watches the
+// socket and no byte is waiting there), else of the oldest unsettled one; only when
 // every slot in the way is settled is it refused (RESOURCE_EXHAUSTED). The dropped slot's socket is
 // shut down for reading, which wakes its handshake thread: that one answers RESOURCE_EXHAUSTED and
 // ends. So connections that hold slots without finishing a handshake cannot lock a peer out: a
@@ -72,7 +73,8 @@ class Handshakes {
   };
   uint64_t take_locked(const std::string& host, const std::string& from, const std::string& owner, bool may_drop,
                        std::string* note);
-  // The oldest unsettled slot (idle ones first), of `host` when not null: dropped; false when none.
+  // The oldest unsettled slot (those surely idle first: nothing on the socket its thread watches), of
+  // `host` when not null: dropped; false when none.
   bool drop_oldest_locked(const std::string* host, std::string* victim);
   bool note_due_locked();  // one log line a second
 
