@@ -38,7 +38,7 @@ void client_handshake(const oob::Socket& s, const std::string& token, oob::Clock
     throw Error("authentication: the peer does not authenticate its peers (its answer: \"" + ch.text +
                 "\"); this engine has a HixlAuthToken and talks only to peers that prove they know it");
   if (ch.type == wire::FrameType::kRefuse)  // at its handshake limit, an older hixl, ...
-    throw Error("authentication: refused by the peer: " + ch.text);
+    throw Refused("authentication: refused by the peer: " + ch.text, ch.status);
   if (ch.type != wire::FrameType::kAuthChallenge)
     throw Error("authentication: the peer answered with frame type " + std::to_string(int(ch.type)) +
                 " instead of an auth challenge");
@@ -48,7 +48,7 @@ void client_handshake(const oob::Socket& s, const std::string& token, oob::Clock
   oob::send_all(s, wire::encode_control(mine), deadline);
   wire::Control theirs = recv_control(s, deadline, max_reply);
   if (theirs.type == wire::FrameType::kRefuse)
-    throw Error("authentication: refused by the peer: " + theirs.text);
+    throw Refused("authentication: refused by the peer: " + theirs.text, theirs.status);
   if (theirs.type != wire::FrameType::kAuthProof)
     throw Error("authentication: the peer answered with frame type " + std::to_string(int(theirs.type)) +
                 " instead of its proof");

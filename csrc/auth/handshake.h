@@ -22,6 +22,11 @@
 // pointed at does: use a random token, e.g. 32 random bytes in hex).
 // Not covered: secrecy or integrity of what follows (no encryption: an active man in the middle can
 // relay an authenticated connection). Use a trusted network, or a tunnel, for that.
+//
+// Names: the engine name a peer claims in its Connect is not part of the proof. Every holder of the
+// token can compute a proof for any name, and what follows the proof is not integrity-protected, so
+// an HMAC over the name would stop neither a token holder nor a man in the middle. The token makes
+// a peer a member; the engine still never lets a claim replace a live link (engine/connector.cc).
 #pragma once
 
 #include <array>
@@ -30,6 +35,7 @@
 
 #include "auth/sha256.h"
 #include "transport/oob.h"
+#include "verbs/error.h"
 #include "wire/control.h"
 
 namespace hixl::auth {
@@ -45,8 +51,19 @@ using Nonce = std::array<uint8_t, wire::kAuthBytes>;
 
 Digest proof(const std::string& token, bool server, const Nonce& client_nonce, const Nonce& server_nonce);
 
+// The listener refused us (its Refuse frame): its status (a hixl status code) and reason.
+class Refused : public Error {
+ public:
+  Refused(const std::string& what, uint32_t status) : Error(what), status_(status) {}
+  uint32_t status() const noexcept { return status_; }
+
+ private:
+  uint32_t status_;
+};
+
 // Client side, on a fresh connection. Returns once the server proved it knows `token`; otherwise
-// throws hixl::Error saying why (the server refused us, has no token, or failed to prove it).
+// throws hixl::Error saying why (the server refused us: Refused, with its status; has no token; or
+// failed to prove it).
 // Socket errors and timeouts propagate as they are (ETIMEDOUT for the deadline).
 void client_handshake(const oob::Socket& s, const std::string& token, oob::Clock::time_point deadline);
 

@@ -116,7 +116,8 @@ void hixl_bind_engine(py::module_& m) {
           [](Engine& e, const std::string& local, const std::string& transport, const std::string& device,
              int gid_index, int traffic_class, int service_level, bool auto_connect, const std::string& auth_token,
              int async_timeout_ms, int heartbeat_ms, int heartbeat_misses, int rdma_timeout, int rdma_retry_count,
-             int rdma_qps_per_link, int64_t rdma_max_wr_bytes, int64_t rdma_send_window_bytes) {
+             int rdma_qps_per_link, int64_t rdma_max_wr_bytes, int64_t rdma_send_window_bytes,
+             bool trust_claimed_address) {
             Options o;
             if (async_timeout_ms >= 0) o.async_timeout_ms = async_timeout_ms;  // < 0: the defaults (engine.h)
             if (heartbeat_ms >= 0) o.heartbeat_ms = heartbeat_ms;
@@ -133,6 +134,7 @@ void hixl_bind_engine(py::module_& m) {
             o.rdma_send_window_bytes = rdma_send_window_bytes;
             o.auto_connect = auto_connect;
             o.auth_token = auth_token;
+            o.trust_claimed_address = trust_claimed_address;
             return e.initialize(local, o);
           },
           py::arg("local_engine"), py::arg("transport") = "auto", py::arg("device") = "", py::arg("gid_index") = -1,
@@ -140,7 +142,7 @@ void hixl_bind_engine(py::module_& m) {
           py::arg("auth_token") = "", py::arg("async_timeout_ms") = -1, py::arg("heartbeat_ms") = -1,
           py::arg("heartbeat_misses") = -1, py::arg("rdma_timeout") = -1, py::arg("rdma_retry_count") = -1,
           py::arg("rdma_qps_per_link") = -1, py::arg("rdma_max_wr_bytes") = -1,
-          py::arg("rdma_send_window_bytes") = -1, release())
+          py::arg("rdma_send_window_bytes") = -1, py::arg("trust_claimed_address") = false, release())
       .def("finalize", &Engine::finalize, release())
       .def(
           "register_mem",

@@ -4,11 +4,13 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <thread>
 #include <tuple>
 
 #include "auth/handshake.h"
 #include "engine/engine.h"
 #include "engine/internal.h"
+#include "engine/liveness.h"
 #include "transport/shm_path.h"
 #include "transport/tcp_path.h"
 #include "verbs/error.h"
@@ -20,6 +22,19 @@ using namespace detail;
 
 namespace {
 constexpr int kRetryWithoutShm = -1;  // connect_once(): the same-host probe failed on our side
+
+// An incoming handshake's socket, known to its slot while the slot may be dropped (handshakes.h).
+class SlotSocket {
+ public:
+  SlotSocket(Handshakes& h, uint64_t slot, oob::Socket* s) : h_(h), slot_(slot) { h_.attach(slot_, s); }
+  ~SlotSocket() { h_.detach(slot_); }
+  SlotSocket(const SlotSocket&) = delete;
+  SlotSocket& operator=(const SlotSocket&) = delete;
+
+ private:
+  Handshakes& h_;
+  uint64_t slot_;
+};
 }  // namespace
 
 std::shared_ptr<rdma::Endpoint> Engine::make_endpoint() const {
@@ -259,7 +274,7 @@ int Engine::connect_once(const std::string& key, int timeout_ms, uint32_t offers
   auto deadline = Clock::now() + milliseconds(timeout_ms);
   oob::Socket s;
   try {
-    s = oob::connect_tcp(host, uint16_t(port), milliseconds(timeout_ms));
+    s = connect_from(host_, host, uint16_t(port), milliseconds(timeout_ms));
   } catch (const Error& e) {
     return fail(e.err() == ETIMEDOUT ? kTimeout : kFailed, "connect to " + key + ": " + e.what());
   }
@@ -276,6 +291,9 @@ int Engine::connect_once(const std::string& key, int timeout_ms, uint32_t offers
       if (int rc = connect_handshake(s, *link, ep, more, offers, shm_refusal, deadline, &peer);
           rc != kSuccess)
         return rc;
+    } catch (const auth::Refused& e) {  // before authentication: its status where connect() documents it
+      return fail(e.status() == uint32_t(kResourceExhausted) ? kResourceExhausted : kFailed,
+                  "connect to " + key + ": handshake: " + e.what());
     } catch (const Error& e) {
       if (!ready()) return fail(kFailed, "connect to " + key + ": engine finalized during the handshake");
       return fail(e.err() == ETIMEDOUT ? kTimeout : kFailed, "connect to " + key + ": handshake: " + e.what());
@@ -316,7 +334,9 @@ int Engine::connect_handshake(oob::Socket& s, Link& link, const std::shared_ptr<
   peer = wire::parse_control(h.type, payload.data(), payload.size());
   if (peer.type == wire::FrameType::kRefuse) {
     // The peer's reason is passed on; its code only where connect() documents it.
-    int code = peer.status == kAlreadyConnected || peer.status == kUnsupported ? int(peer.status) : kFailed;
+    int code = peer.status == kAlreadyConnected || peer.status == kUnsupported || peer.status == kResourceExhausted
+                   ? int(peer.status)
+                   : kFailed;
     return fail(code, "connect to " + link.key + ": refused by the peer: " + peer.text);
   }
   if (peer.type != wire::FrameType::kAccept)
@@ -373,7 +393,7 @@ void Engine::end_for_retry_without_shm(oob::Socket& s, const std::string& why, C
 // the peer serves; 1: the other way round.
 void Engine::attach_tcp_data(Link& link, const std::string& host, uint16_t port, Clock::time_point deadline) {
   for (uint32_t dir = 0; dir < 2; ++dir) {
-    oob::Socket d = oob::connect_tcp(host, port, std::max(left_until(deadline), milliseconds(1)));
+    oob::Socket d = connect_from(host_, host, port, std::max(left_until(deadline), milliseconds(1)));
     if (!opts_.auth_token.empty()) auth::client_handshake(d, opts_.auth_token, deadline);
     wire::Control a;
     a.type = wire::FrameType::kAttach;
@@ -432,10 +452,10 @@ void Engine::accept_incoming() {
   if (!s.valid()) return;
   const std::string from = oob::peer_address(s);
   const std::string host = from.substr(0, from.rfind(':'));
-  std::string refusal;
-  const bool over = !handshakes_.acquire(host, from, name_, &refusal);
-  if (!refusal.empty()) log::warn(refusal);
-  if (over) {  // the refusal is small: it fits the socket buffer, so this never waits
+  std::string note;
+  const uint64_t slot = handshakes_.admit(host, from, name_, &note);
+  if (!note.empty()) log::warn(note);
+  if (!slot) {  // the refusal is small: it fits the socket buffer, so this never waits
     wire::Control r;
     r.type = wire::FrameType::kRefuse;
     r.status = uint32_t(kResourceExhausted);
@@ -447,26 +467,27 @@ void Engine::accept_incoming() {
     return;
   }
   // Gives the slot back however the handshake ends (also when spawn() refuses: finalizing).
-  auto release = std::shared_ptr<void>(nullptr, [this, host](void*) { handshakes_.release(host); });
+  auto release = std::shared_ptr<void>(nullptr, [this, slot](void*) { handshakes_.release(slot); });
   auto sp = std::make_shared<oob::Socket>(std::move(s));
   try {
-    spawn([this, sp, release] { serve_incoming(std::move(*sp)); });  // throws once finalizing: sp closes
+    spawn([this, sp, release, slot] { serve_incoming(std::move(*sp), slot); });  // throws once finalizing: sp closes
   } catch (const std::exception& e) {
     log::info("engine " + name_ + ": not serving the peer at " + from + ": " + e.what());
   }
 }
 
-void Engine::serve_incoming(oob::Socket s) {
+void Engine::serve_incoming(oob::Socket s, uint64_t slot) {
   Handshakes::Guard guard(handshakes_, &s);
+  SlotSocket in_slot(handshakes_, slot, &s);  // destroyed before s closes
   auto deadline = Clock::now() + milliseconds(opts_.handshake_timeout_ms);
   const std::string from = oob::peer_address(s);
   wire::Control c;
-  if (!read_connect(s, from, deadline, &c)) return;
+  if (!await_first_bytes(s, slot, from, deadline) || !read_connect(s, from, slot, deadline, &c)) return;
   int peer_port = -1;
   auto key = canonical(c.name, &peer_port);
   if (!key)
     return refuse_peer(s, from, deadline, kParamInvalid, "peer name \"" + c.name + "\" is not an engine address");
-
+  if (!name_on_source(s, from, *key, deadline)) return;
   std::string shm_why;
   const wire::Transport chosen = choose_transport(c, &shm_why);
   if (chosen == wire::Transport::kNone)
@@ -475,11 +496,7 @@ void Engine::serve_incoming(oob::Socket s) {
                            offers_string(offers_) + (shm_why.empty() ? "" : "; shm: " + shm_why));
   if (chosen == wire::Transport::kTcp && !shm_why.empty())
     log::warn("engine " + name_ + ": same-host transport to " + *key + " not usable (" + shm_why + "); using tcp");
-  {
-    int code = kSuccess;
-    std::string why = links_.claim_incoming(*key, name_, peer_port >= 0, c.instance, &code);
-    if (!why.empty()) return refuse_peer(s, from, deadline, code, why);
-  }
+  if (!claim_name(s, from, c, *key, peer_port >= 0, deadline)) return;
   bool claimed = true;  // the link table holds *key for us; add_link() gives it back once the link is published
   std::shared_ptr<Link> old;
   try {
@@ -513,16 +530,122 @@ void Engine::refuse_peer(oob::Socket& s, const std::string& from, Clock::time_po
   oob::drain(s, std::min(deadline, Clock::now() + milliseconds(200)));  // so the peer gets to read it
 }
 
-bool Engine::read_connect(oob::Socket& s, const std::string& from, Clock::time_point deadline, wire::Control* c) {
+bool Engine::refuse_dropped(oob::Socket& s, const std::string& from, Clock::time_point deadline) {
+  refuse_peer(s, from, deadline, kResourceExhausted,
+              "too many handshakes in progress; this unauthenticated one was the oldest and gave way to a new "
+              "one; try again later");
+  return false;
+}
+
+bool Engine::await_first_bytes(oob::Socket& s, uint64_t slot, const std::string& from, Clock::time_point deadline) {
+  const int bound_ms = std::min(kFirstBytesTimeoutMs, opts_.handshake_timeout_ms);
+  const auto until = std::min(deadline, Clock::now() + milliseconds(bound_ms));
+  pollfd p{s.fd(), POLLIN, 0};
+  int rc;
+  do rc = ::poll(&p, 1, int(left_until(until).count()));
+  while (rc < 0 && errno == EINTR);
+  if (handshakes_.dropped(slot)) return refuse_dropped(s, from, deadline);
+  if (rc == 0) {
+    refuse_peer(s, from, deadline, kFailed,
+                "nothing received within " + std::to_string(bound_ms) + " ms of connecting", true);
+    return false;
+  }
+  // Readable, closed or failed: the handshake reads it (and refuses what is not a handshake).
+  if (!handshakes_.advance(slot, Handshakes::Stage::kStarted)) return refuse_dropped(s, from, deadline);
+  return true;
+}
+
+bool Engine::name_on_source(oob::Socket& s, const std::string& from, const std::string& key,
+                            Clock::time_point deadline) {
+  const std::string source = host_of(from);
+  if (!opts_.auth_token.empty() || opts_.trust_claimed_address || host_of(key) == source) return true;
+  refuse_peer(s, from, deadline, kFailed,
+              "the name " + key + " is not on the address the connection comes from (" + source +
+                  "): without HixlAuthToken a peer may claim only a name on its own address (behind NAT, "
+                  "HixlTrustClaimedAddress=1 on " + name_ + " lifts this check)",
+              true);
+  return false;
+}
+
+bool Engine::claim_name(oob::Socket& s, const std::string& from, const wire::Control& c, const std::string& key,
+                        bool listens, Clock::time_point deadline) {
+  int code = kSuccess;
+  std::shared_ptr<Link> current;
+  std::string why = links_.claim_incoming(key, name_, listens, c.instance, &code, host_of(from), &current);
+  if (!why.empty()) {
+    refuse_peer(s, from, deadline, code, why, code == kResourceExhausted);
+    return false;
+  }
+  if (!current) return true;
+  // No lock is held here: the probe waits on the network, our claim on the name keeps others out.
+  std::string how;
+  if (proven_dead(current, deadline, &how)) {
+    log::info("engine " + name_ + ": " + key + " (at " + from + ") connects again and its link is dead (" + how +
+              "): the new connection replaces it");
+    return true;
+  }
+  links_.release_incoming(key);
+  refuse_peer(s, from, deadline, kAlreadyConnected,
+              name_ + " has a live link to " + key + " (" + how + "); a new connection does not replace it", true);
+  return false;
+}
+
+bool Engine::proven_dead(const std::shared_ptr<Link>& link, Clock::time_point deadline, std::string* how) {
+  const auto start = Clock::now();
+  const auto rx_before = link->last_rx.load();
+  wire::Control ping;
+  ping.type = wire::FrameType::kPing;
+  link->post(ping);  // queued: never waited for (link.h)
+  const auto end = std::min(start + milliseconds(kLivenessProbeMs), deadline - milliseconds(250));
+  for (;;) {
+    if (link->is_down()) {
+      *how = "it closed";
+      return true;
+    }
+    pollfd p{link->ctrl.fd(), POLLRDHUP, 0};  // reads nothing: the progress thread stays its only reader
+    if (::poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR))) {
+      *how = "the peer closed its control connection";
+      return true;
+    }
+    const bool heard = link->last_rx.load() != rx_before;
+    // Heard, and its connection still open a moment later (a goodbye is followed by the close at once).
+    if (heard && Clock::now() - start >= milliseconds(200)) {
+      *how = "the peer answered a ping";
+      return false;
+    }
+    if (Clock::now() >= end) break;
+    std::this_thread::sleep_for(milliseconds(5));
+  }
+  if (link->last_rx.load() != rx_before) {
+    *how = "the peer answered a ping";
+    return false;
+  }
+  const auto waited = std::chrono::duration_cast<milliseconds>(Clock::now() - start);
+  // Silent, but alive and slow (a starved process: liveness.h) is not dead: the heartbeat keeps such
+  // a link, and so does a claim. An acknowledgement counts only when it came after our ping went out.
+  const std::string alive = peer_alive_evidence(link->peer_same_host, link->peer_pid, link->ctrl.fd(),
+                                                std::max(1, int(waited.count() / 2)));
+  if (!alive.empty()) {
+    *how = "no answer to a ping for " + std::to_string(waited.count()) + " ms, but " + alive;
+    return false;
+  }
+  *how = "nothing from the peer for " + std::to_string(waited.count()) + " ms after a ping";
+  return true;
+}
+
+bool Engine::read_connect(oob::Socket& s, const std::string& from, uint64_t slot, Clock::time_point deadline,
+                          wire::Control* c) {
   const std::string& token = opts_.auth_token;
   bool authenticated = token.empty();
   try {
     if (!token.empty()) {
       if (!authenticate_peer(s, from, deadline)) return false;
       authenticated = true;
+      if (!handshakes_.advance(slot, Handshakes::Stage::kSettled)) return refuse_dropped(s, from, deadline);
     }
     auto [h, payload] = oob::recv_frame(s, deadline);
     *c = wire::parse_control(h.type, payload.data(), payload.size());
+    if (!handshakes_.advance(slot, Handshakes::Stage::kSettled)) return refuse_dropped(s, from, deadline);
     if (c->type == wire::FrameType::kAuthHello && token.empty()) {
       refuse_peer(s, from, deadline, int(auth::kStatusNoAuth),
                   "this engine has no HixlAuthToken: it does not authenticate peers", true);
@@ -538,6 +661,7 @@ bool Engine::read_connect(oob::Socket& s, const std::string& from, Clock::time_p
     }
     if (c->type != wire::FrameType::kConnect) throw Error("expected a Connect frame, got type " + std::to_string(int(h.type)));
   } catch (const std::exception& e) {
+    if (handshakes_.dropped(slot)) return refuse_dropped(s, from, deadline);  // its socket was shut down for it
     // Before authentication the reason stays generic: the details (which may name our socket) go to the log only.
     if (!authenticated) {
       metrics_.link_closed(Metrics::Cause::kAuth);

@@ -36,7 +36,8 @@
 // lookup of one peer's link takes no lock (LinkTable::find with the thread's LinkLookup).
 //
 // Threads: an acceptor accepts peers and hands each handshake to a worker thread of its own
-// (bounded by a deadline and by kMaxHandshakes); the progress thread serves the control connections,
+// (bounded by deadlines and by kMaxHandshakes; the oldest unauthenticated one gives way to a new one
+// when they are full: handshakes.h); the progress thread serves the control connections,
 // reading each incrementally (a peer that stops in the middle of a frame holds up no other link) and
 // queueing its replies per link (a peer that stops reading holds up no other link: link.h);
 // the watchdog sends heartbeats (queued too), closes links whose peer is dead (a silent peer that is
@@ -214,7 +215,7 @@ class Engine {
   bool take_closed(const std::string& key);  // a link to key ended without our disconnect()
   void accept_loop();
   void accept_incoming();
-  void serve_incoming(oob::Socket s);
+  void serve_incoming(oob::Socket s, uint64_t slot);  // slot: its Handshakes slot
   // serve_incoming()'s steps. refuse_peer: logs the refusal, sends it (best effort) and lets the
   // peer read it. read_connect: the auth exchange (when we have a token: authenticate_peer) and the
   // peer's Connect into *c; false when the connection was answered here (refused, or a TCP data
@@ -222,10 +223,32 @@ class Engine {
   // why not the same-host one). incoming_link: the link with its queue pairs connected and its
   // data path built; accept_and_publish: our Accept, the peer's READY, the link published (our
   // claim on its name ended: *claimed false; the link it replaced in *old, retired) and our READY.
+  // await_first_bytes: the first bytes within kFirstBytesTimeoutMs; refuse_dropped: the answer of a
+  // handshake whose slot gave way to a newer one (RESOURCE_EXHAUSTED; false). Both false when the
+  // connection was answered here.
   void refuse_peer(oob::Socket& s, const std::string& from, std::chrono::steady_clock::time_point deadline, int code,
                    const std::string& why, bool warn = false, const std::string& detail = "");
-  bool read_connect(oob::Socket& s, const std::string& from, std::chrono::steady_clock::time_point deadline,
-                    wire::Control* c);
+  bool refuse_dropped(oob::Socket& s, const std::string& from, std::chrono::steady_clock::time_point deadline);
+  bool await_first_bytes(oob::Socket& s, uint64_t slot, const std::string& from,
+                         std::chrono::steady_clock::time_point deadline);
+  bool read_connect(oob::Socket& s, const std::string& from, uint64_t slot,
+                    std::chrono::steady_clock::time_point deadline, wire::Control* c);
+  // Peer identity. name_on_source: without a token (and without trust_claimed_address) the name
+  // `key` a peer claims must be on the connection's source address. claim_name: the peer's claim on
+  // key (its Connect c); its source may hold at most kMaxLinksPerHost links; a name with a live link
+  // is claimed only once that link is proven dead (proven_dead). True: key is claimed for this
+  // handshake. Both false when refused (answered here).
+  bool name_on_source(oob::Socket& s, const std::string& from, const std::string& key,
+                      std::chrono::steady_clock::time_point deadline);
+  bool claim_name(oob::Socket& s, const std::string& from, const wire::Control& c, const std::string& key,
+                  bool listens, std::chrono::steady_clock::time_point deadline);
+  // The liveness probe of a link a new connection claims the name of, holding no lock: true (and
+  // *how) when it closed, its peer closed the control connection, or nothing came from the peer
+  // within kLivenessProbeMs of a ping and nothing shows it alive (liveness.h: its process runs on
+  // this host, or its host acknowledged the ping); false when the peer answered or is alive but
+  // slow (*how says so).
+  bool proven_dead(const std::shared_ptr<Link>& link, std::chrono::steady_clock::time_point deadline,
+                   std::string* how);
   bool authenticate_peer(oob::Socket& s, const std::string& from, std::chrono::steady_clock::time_point deadline);
   wire::Transport choose_transport(const wire::Control& c, std::string* shm_why) const;
   std::shared_ptr<Link> incoming_link(const wire::Control& c, const std::string& key, wire::Transport chosen);

@@ -38,7 +38,18 @@ int Inbox::offer_notify(const std::string& peer, std::string name, std::string m
   std::lock_guard<std::mutex> g(notify_mu_);
   size_t& unread = unread_[peer];  // per peer, so reconnecting does not reset it
   if (unread >= kMaxUnreadNotifies) return kResourceExhausted;
+  const size_t bytes = name.size() + msg.size();
+  if (notifies_.size() >= kMaxHeldNotifies || held_bytes_ + bytes > kMaxHeldNotifyBytes) {
+    if (!full_logged_)
+      log::warn("engine " + owner_ + ": " + std::to_string(notifies_.size()) + " notifies (" +
+                std::to_string(held_bytes_) + " bytes) unread, the most one engine holds (" +
+                std::to_string(kMaxHeldNotifies) + ", " + std::to_string(kMaxHeldNotifyBytes) +
+                " bytes): refusing more (RESOURCE_EXHAUSTED) until get_notifies() reads them; first from " + peer);
+    full_logged_ = true;
+    return kResourceExhausted;
+  }
   ++unread;
+  held_bytes_ += bytes;
   notifies_.push_back({std::move(name), std::move(msg)});
   notify_cv_.notify_all();
   return kSuccess;
@@ -49,6 +60,8 @@ std::vector<Notify> Inbox::take_notifies() {
   std::vector<Notify> out(std::make_move_iterator(notifies_.begin()), std::make_move_iterator(notifies_.end()));
   notifies_.clear();
   unread_.clear();
+  held_bytes_ = 0;
+  full_logged_ = false;
   return out;
 }
 

@@ -1,5 +1,6 @@
 // The inbox: what peers send this engine to read — notifies (name, message; at most
-// kMaxUnreadNotifies unread per peer, counted across reconnects), completion flags, and flag
+// kMaxUnreadNotifies unread per peer, counted across reconnects, and kMaxHeldNotifies /
+// kMaxHeldNotifyBytes from all peers together), completion flags, and flag
 // failures (a flag that will not come: the peer's fail_flag, or its link closed). The eventfd is
 // readable exactly while flags or failures are pending (for select/poll/asyncio), and a flag
 // waiter wakes for either.
@@ -29,7 +30,8 @@ class Inbox {
   void open(const std::string& owner);
   int flag_fd() const { return flag_fd_; }  // -1 before open()
 
-  // A peer's notify: kSuccess (queued), kResourceExhausted (that peer has kMaxUnreadNotifies unread),
+  // A peer's notify: kSuccess (queued), kResourceExhausted (that peer has kMaxUnreadNotifies unread,
+  // or the engine-wide bounds are reached),
   // kParamInvalid (name or message over kMaxNotifyBytes: our senders never do this).
   int offer_notify(const std::string& peer, std::string name, std::string msg);
   std::vector<Notify> take_notifies();  // every queued notify, oldest first; the unread counts restart
@@ -60,6 +62,8 @@ class Inbox {
   std::condition_variable notify_cv_;
   std::deque<Notify> notifies_;
   std::map<std::string, size_t> unread_;  // peer -> unread notifies (kept across reconnects)
+  size_t held_bytes_ = 0;                 // names and messages of notifies_ (kMaxHeldNotifyBytes)
+  bool full_logged_ = false;              // the engine-wide bound was hit since the last take
   bool closed_ = false;                   // under both locks
 
   std::mutex flag_mu_;

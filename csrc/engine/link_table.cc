@@ -74,7 +74,8 @@ bool LinkTable::wait_link(const std::string& key, std::chrono::steady_clock::tim
 }
 
 std::string LinkTable::claim_incoming(const std::string& key, const std::string& self, bool peer_listens,
-                                      uint64_t peer_instance, int* code) {
+                                      uint64_t peer_instance, int* code, const std::string& source,
+                                      std::shared_ptr<Link>* current) {
   std::lock_guard<util::Mutex> g(mu_);
   *code = kFailed;
   if (closed_) return self + " is finalizing";
@@ -83,8 +84,9 @@ std::string LinkTable::claim_incoming(const std::string& key, const std::string&
   *code = kAlreadyConnected;
   auto it = links_.find(key);
   // A Connect from a peer we have a link to means that peer dropped its end (a disconnect whose
-  // goodbye is still in flight, or a restart): the new connection supersedes the old one. Only a
-  // second client-only engine from the same IP (same name, another instance) is refused.
+  // goodbye is still in flight, or a restart) or is an impostor: the caller lets the new connection
+  // supersede the old one only once the old link is proven dead (*current; connector.cc). A second
+  // client-only engine from the same IP (same name, another instance) is refused here.
   if (it != links_.end() && !peer_listens && it->second->peer_instance != peer_instance)
     return "another client-only engine from " + key + " is connected to " + self +
            "; give each client a port to tell them apart";
@@ -96,7 +98,18 @@ std::string LinkTable::claim_incoming(const std::string& key, const std::string&
   if (incoming_.count(key)) return "a handshake from " + key + " is in progress";
   // Both ends connecting to each other at once: the smaller name's outgoing connect wins.
   if (connecting_.count(key) && self < key) return self + " is connecting to " + key + " itself";
-  incoming_.insert(key);
+  if (!source.empty()) {
+    size_t from_source = 0;  // links and claims from there, but the one this claim may replace
+    for (const auto* m : {&sources_, &incoming_})
+      for (const auto& [k, src] : *m) from_source += k != key && src == source;
+    if (from_source >= kMaxLinksPerHost) {
+      *code = kResourceExhausted;
+      return std::to_string(from_source) + " links from " + source + " already, the most one address may open (" +
+             std::to_string(kMaxLinksPerHost) + ")";
+    }
+  }
+  incoming_[key] = source;
+  if (current) *current = it == links_.end() ? nullptr : it->second;
   *code = kSuccess;
   return "";
 }
@@ -117,7 +130,12 @@ bool LinkTable::publish(const std::shared_ptr<Link>& link, std::shared_ptr<Link>
   }
   links_[link->key] = link;
   gen_.fetch_add(1, std::memory_order_release);
-  if (!link->initiator) incoming_.erase(link->key);  // the incoming handshake's claim ends with the publication
+  sources_.erase(link->key);
+  if (!link->initiator) {  // the incoming handshake's claim ends with the publication
+    auto c = incoming_.find(link->key);
+    if (c != incoming_.end() && !c->second.empty()) sources_[link->key] = c->second;
+    if (c != incoming_.end()) incoming_.erase(c);
+  }
   closed_links_.erase(link->key);
   changed_.notify_all();
   return true;
@@ -128,6 +146,7 @@ void LinkTable::unpublish(const std::shared_ptr<Link>& link, const std::string& 
   auto it = links_.find(link->key);
   if (it != links_.end() && it->second == link) {
     links_.erase(it);
+    sources_.erase(link->key);
     gen_.fetch_add(1, std::memory_order_release);
     changed_.notify_all();
     if (!by_disconnect) {
@@ -156,6 +175,7 @@ std::map<std::string, std::shared_ptr<Link>> LinkTable::close() {
   closed_ = true;
   std::map<std::string, std::shared_ptr<Link>> out;
   out.swap(links_);
+  sources_.clear();
   gen_.fetch_add(1, std::memory_order_release);
   changed_.notify_all();
   return out;

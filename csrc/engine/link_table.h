@@ -1,7 +1,8 @@
 // The link table: the current link to each peer (by canonical name), the claims of handshakes in
 // progress on peer names (ours and theirs), and the records of links that ended without our
 // disconnect(). Publishing a link ends its handshake's claim; a newer link from the same peer
-// supersedes the old one (the caller retires it).
+// supersedes the old one (the caller retires it, once it proved the old one dead: connector.cc).
+// It also counts the links peers opened from each source address (kMaxLinksPerHost).
 //
 // Lock: `mu_`, guarding everything here; nothing else is taken while it is held (a link's own locks
 // neither: the handshake publishing a link holds that link's send_mu while it takes this one).
@@ -53,9 +54,11 @@ class LinkTable {
   void release_outgoing(const std::string& key);
   // A peer's handshake with us may go on: "" (and key is claimed until publish()), else the reason
   // and the status to refuse it with. self: this engine's name; peer_listens: the peer has a port;
-  // peer_instance: its engine instance.
+  // peer_instance: its engine instance; source: the address it connects from ("": not counted),
+  // which may have at most kMaxLinksPerHost links and claims; *current (when not null): the link to
+  // key now, which the claim may replace only once it is proven dead.
   std::string claim_incoming(const std::string& key, const std::string& self, bool peer_listens, uint64_t peer_instance,
-                             int* code);
+                             int* code, const std::string& source = "", std::shared_ptr<Link>* current = nullptr);
   void release_incoming(const std::string& key);
   // Waits until a link to key is published (true), or until no handshake with key is in progress
   // any more and none is, the table closed, or the deadline passed (false). settle_only: return
@@ -84,7 +87,8 @@ class LinkTable {
   bool closed_ = false;
   std::map<std::string, std::shared_ptr<Link>> links_;  // by canonical peer name
   std::set<std::string> connecting_;                    // our outgoing handshakes
-  std::set<std::string> incoming_;                      // handshakes peers started with us
+  std::map<std::string, std::string> incoming_;         // handshakes peers started with us -> source address
+  std::map<std::string, std::string> sources_;          // links peers opened -> their source address
   // peer -> (link id, why): links that ended without our disconnect() (peer's goodbye or finalize,
   // failure, abort). connect() clears it.
   std::map<std::string, std::pair<uint64_t, std::string>> closed_links_;

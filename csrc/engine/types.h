@@ -30,6 +30,11 @@ enum class TransferOp : int { kRead = 0, kWrite = 1 };
 using TransferStatus = rdma::Status;  // WAITING 0, COMPLETED 1, TIMEOUT 2, FAILED 3
 
 constexpr size_t kMaxUnreadNotifies = 4096;  // per peer; beyond that the sender gets RESOURCE_EXHAUSTED
+// Unread notifies held by one engine from all its peers together, by count and by bytes (name +
+// message): beyond either the sender gets RESOURCE_EXHAUSTED, so peers under invented names cannot
+// multiply the per-peer bound. 4x one peer's bound, at most 64 MiB (a notify is at most 8 KiB).
+constexpr size_t kMaxHeldNotifies = 4 * kMaxUnreadNotifies;
+constexpr size_t kMaxHeldNotifyBytes = 64u << 20;
 constexpr size_t kMaxNotifyBytes = 4096;     // name / message: 1024 characters of UTF-8
 
 struct Options {
@@ -111,13 +116,32 @@ struct Options {
   // returns kFailed, and last_error() says "authentication ..."; the refusing listener logs a
   // warning naming the peer's address. The token itself is never logged or sent.
   std::string auth_token;
+  // Without a token a peer may claim only a name on the address it connects from (its source
+  // address); true lifts that check (HixlTrustClaimedAddress): for peers behind NAT, whose source
+  // address is not the one they listen on. Then any process that reaches our port may claim any
+  // name that has no live link. A live link is never replaced by a claim alone either way.
+  bool trust_claimed_address = false;
 };
 
 // Handshakes served at once (each on its own thread, each bounded by handshake_timeout_ms): beyond
-// these, a new connection is refused at once (RESOURCE_EXHAUSTED), so slow or hostile peers cannot
-// pile up threads; one address may hold only part of them, so it cannot lock others out.
+// these the oldest unauthenticated one gives way to a new connection, else that one is refused at
+// once (RESOURCE_EXHAUSTED), so slow or hostile peers cannot pile up threads nor lock others out;
+// one address may hold only part of them.
 constexpr int kMaxHandshakes = 256;
 constexpr int kMaxHandshakesPerHost = 32;
+// An accepted connection must send its first bytes within this (or handshake_timeout_ms, when
+// shorter): a peer that connects sends its first frame at once. Idle ones also give way to new
+// ones when the slots are full (handshakes.h).
+constexpr int kFirstBytesTimeoutMs = 3000;
+// A claim for a name that has a live link: the old link is probed (a ping) for this long; it is dead
+// when its connection closed meanwhile, or when nothing at all came from the peer and nothing shows
+// it alive but slow (liveness.h; the heartbeat declares a silent link dead only after heartbeat_ms *
+// heartbeat_misses, a slow one later still).
+constexpr int kLivenessProbeMs = 1500;
+// Links from one source address that peers opened to us (its engines' listening names, one
+// client-only name): beyond that a new one is refused (RESOURCE_EXHAUSTED). A host runs one engine
+// per process, typically one per accelerator (8-16); 64 leaves room for several per accelerator.
+constexpr size_t kMaxLinksPerHost = 64;
 
 struct OpDesc {
   uint64_t local_addr = 0;

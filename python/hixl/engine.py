@@ -234,7 +234,8 @@ class Hixl:
             local_engine, transport=p.transport, device=p.device or "",
             traffic_class=-1 if p.rdma_traffic_class is None else p.rdma_traffic_class,
             service_level=-1 if p.rdma_service_level is None else p.rdma_service_level,
-            auto_connect=p.auto_connect, auth_token=p.auth_token or "", **tuning))
+            auto_connect=p.auto_connect, auth_token=p.auth_token or "",
+            trust_claimed_address=p.trust_claimed_address, **tuning))
         if rc == SUCCESS and p.metrics_port is not None:
             try:
                 self._metrics_server = _metrics.Server(self._read_metrics, host, p.metrics_port)
@@ -410,7 +411,7 @@ class Hixl:
     @status_call()
     def send_notify(self, remote_engine: str, notify: Any, timeout_in_millis: int = DEFAULT_TIMEOUT_MS) -> int:
         """Delivered after every transfer to that peer that completed before this call.
-        RESOURCE_EXHAUSTED when the peer holds 4096 unread notifies from us."""
+        RESOURCE_EXHAUSTED when the peer holds 4096 unread notifies from us, or 16384 from all its peers."""
         if self._remote(remote_engine) is None:
             return self._refuse("send_notify: bad remote_engine %r" % (remote_engine,))
         if validate_notify(notify) != SUCCESS:

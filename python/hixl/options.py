@@ -39,11 +39,13 @@ OPTION_HIXL_RDMA_RETRY_COUNT = "HixlRdmaRetryCount"     # QP retransmissions bef
 OPTION_HIXL_RDMA_QPS_PER_LINK = "HixlRdmaQpsPerLink"    # RC QPs a link stripes its bytes over, 1..16 (default 1; 8 on rxe)
 OPTION_HIXL_RDMA_MAX_WR_BYTES = "HixlRdmaMaxWrBytes"    # bytes one work request carries at most, 4096..2^30 (default 4 MiB; 16 KiB on rxe)
 OPTION_HIXL_RDMA_SEND_WINDOW_BYTES = "HixlRdmaSendWindowBytes"  # bytes in flight per QP, 0..2^30 (default 0: none; 64 KiB on rxe with > 1 QP)
+OPTION_HIXL_TRUST_CLAIMED_ADDRESS = "HixlTrustClaimedAddress"  # "1": peers may claim names off their source address (NAT)
 
 TRANSPORTS = ("auto", "rdma", "shm", "tcp")
 ENV_TRANSPORT = "HIXL_TRANSPORT"
 ENV_AUTH_TOKEN = "HIXL_AUTH_TOKEN"
 ENV_METRICS_PORT = "HIXL_METRICS_PORT"
+ENV_TRUST_CLAIMED_ADDRESS = "HIXL_TRUST_CLAIMED_ADDRESS"
 MAX_AUTH_TOKEN_BYTES = 4096
 _REDACTED = "<redacted>"
 
@@ -54,7 +56,8 @@ CANN_OPTIONS = (OPTION_ENABLE_USE_FABRIC_MEM, OPTION_RDMA_TRAFFIC_CLASS, OPTION_
 HIXL_OPTIONS = (OPTION_HIXL_TRANSPORT, OPTION_HIXL_DEVICE, OPTION_HIXL_GID_INDEX, OPTION_HIXL_AUTH_TOKEN,
                 OPTION_HIXL_ASYNC_TIMEOUT_MS, OPTION_HIXL_HEARTBEAT_MS, OPTION_HIXL_HEARTBEAT_MISSES,
                 OPTION_HIXL_METRICS_PORT, OPTION_HIXL_RDMA_TIMEOUT, OPTION_HIXL_RDMA_RETRY_COUNT,
-                OPTION_HIXL_RDMA_QPS_PER_LINK, OPTION_HIXL_RDMA_MAX_WR_BYTES, OPTION_HIXL_RDMA_SEND_WINDOW_BYTES)
+                OPTION_HIXL_RDMA_QPS_PER_LINK, OPTION_HIXL_RDMA_MAX_WR_BYTES, OPTION_HIXL_RDMA_SEND_WINDOW_BYTES,
+                OPTION_HIXL_TRUST_CLAIMED_ADDRESS)
 ADXL_PREFIX = "adxl."
 # CANN reads the RDMA traffic class and service level from these when the option is absent (as we do).
 # Unlike CANN we keep 0/0 when neither is set: its 132/4 fit Ascend fabrics, not a generic RoCE network.
@@ -140,6 +143,7 @@ class ParsedOptions:
     connect_pool_threads: int = CONNECT_POOL_THREADS
     connect_pool_capacity: int = CONNECT_POOL_CAPACITY
     auth_token: Optional[str] = field(default=None, repr=False)
+    trust_claimed_address: bool = False
     raw: Dict[str, str] = field(default_factory=dict)
     not_applicable: List[str] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
@@ -319,7 +323,9 @@ def parse_options(options: Any) -> Tuple[int, ParsedOptions]:
     ``RdmaServiceLevel`` fall back to env ``HCCL_RDMA_TC`` / ``HCCL_RDMA_SL``.  The transport is
     taken from ``HixlTransport``, else env ``HIXL_TRANSPORT``, else ``"auto"``; the
     auth token from ``HixlAuthToken`` (non-empty), else env ``HIXL_AUTH_TOKEN`` (empty
-    or unset: none), at most ``MAX_AUTH_TOKEN_BYTES`` bytes of UTF-8.
+    or unset: none), at most ``MAX_AUTH_TOKEN_BYTES`` bytes of UTF-8.  ``HixlTrustClaimedAddress``
+    (else env ``HIXL_TRUST_CLAIMED_ADDRESS``; ``"0"`` or ``"1"``) lets peers without a token claim
+    names off their source address (NAT; docs/options.md says what it exposes).
     """
     def bad(msg: str) -> Tuple[int, ParsedOptions]:
         return PARAM_INVALID, ParsedOptions(error=msg)
@@ -373,11 +379,13 @@ def _apply_option(p: ParsedOptions, canon: str, value: str, key: str) -> str:
         if n is None:
             return "%s=%r: expected an integer %d..%d" % (key, value, lo, hi)
         setattr(p, attr, n)
-    elif canon in (OPTION_AUTO_CONNECT, OPTION_ENABLE_USE_FABRIC_MEM):
+    elif canon in (OPTION_AUTO_CONNECT, OPTION_ENABLE_USE_FABRIC_MEM, OPTION_HIXL_TRUST_CLAIMED_ADDRESS):
         if value not in ("0", "1"):
             return "%s=%r: expected \"0\" or \"1\"" % (key, value)
         if canon == OPTION_AUTO_CONNECT:
             p.auto_connect = value == "1"
+        elif canon == OPTION_HIXL_TRUST_CLAIMED_ADDRESS:
+            p.trust_claimed_address = value == "1"
         else:
             p.enable_use_fabric_mem = value
             p.not_applicable.append(canon)
@@ -429,6 +437,11 @@ def _apply_env(p: ParsedOptions) -> str:
         p.metrics_port = _dec(env, 0, 65535)
         if p.metrics_port is None:
             return "%s=%r: expected an integer 0..65535" % (ENV_METRICS_PORT, env)
+    env = os.environ.get(ENV_TRUST_CLAIMED_ADDRESS, "").strip()
+    if OPTION_HIXL_TRUST_CLAIMED_ADDRESS not in p.raw and env:
+        if env not in ("0", "1"):
+            return "%s=%r: expected \"0\" or \"1\"" % (ENV_TRUST_CLAIMED_ADDRESS, env)
+        p.trust_claimed_address = env == "1"
     env_token = os.environ.get(ENV_AUTH_TOKEN, "")
     if p.auth_token is None and env_token:
         p.auth_token, why = _auth_token(env_token, ENV_AUTH_TOKEN)
@@ -478,7 +491,8 @@ __all__ = [
     "OPTION_HIXL_GID_INDEX", "OPTION_HIXL_AUTH_TOKEN", "OPTION_HIXL_ASYNC_TIMEOUT_MS", "OPTION_HIXL_HEARTBEAT_MS",
     "OPTION_HIXL_HEARTBEAT_MISSES", "OPTION_HIXL_METRICS_PORT", "OPTION_HIXL_RDMA_TIMEOUT",
     "OPTION_HIXL_RDMA_RETRY_COUNT", "OPTION_HIXL_RDMA_QPS_PER_LINK", "OPTION_HIXL_RDMA_MAX_WR_BYTES",
-    "OPTION_HIXL_RDMA_SEND_WINDOW_BYTES", "TRANSPORTS", "ENV_TRANSPORT", "ENV_AUTH_TOKEN", "ENV_METRICS_PORT",
+    "OPTION_HIXL_RDMA_SEND_WINDOW_BYTES", "OPTION_HIXL_TRUST_CLAIMED_ADDRESS", "TRANSPORTS", "ENV_TRANSPORT",
+    "ENV_AUTH_TOKEN", "ENV_METRICS_PORT", "ENV_TRUST_CLAIMED_ADDRESS",
     "MAX_AUTH_TOKEN_BYTES", "ParsedOptions", "parse_options", "CANN_OPTIONS", "HIXL_OPTIONS", "ENV_RDMA_TC",
     "ENV_RDMA_SL", "GLOBAL_RESOURCE_FIELDS", "ADXL_PREFIX", "CONNECT_POOL_THREADS", "CONNECT_POOL_CAPACITY",
     "parse_engine_address",
