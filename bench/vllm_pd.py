@@ -12,7 +12,10 @@ streamed chunks), TTFT relative to the reference instance measured in the same r
 per request), transfer time (ms) and, for hixl push, the part of it exposed after the prefill's last layer
 and the share hidden behind prefill compute. Transfer figures come from the instances' own counters
 (``vllm:hixl_*`` of the connector; ``vllm:nixl_*`` of NixlConnector), read before and after each request.
-Where each instance's threads ran (CPU affinity, CPU seconds per thread over the measurement) is in the
+For mono and push through ``hixl proxy`` (and the TP row), the TTFT in parts (median, p99, ms): HTTP hops
+and proxy, API server, queue / KV wait (push: the prefill's own prefill time, the exposed transfer and the
+rest) and the first step, from the instances' vLLM histograms (``bench/vllm_ttft.py``). Where each
+instance's threads ran (CPU affinity, CPU seconds per thread over the measurement) is in the
 JSON, so a spinning progress thread shows. A configuration that fails records why; the others stand.
 
 Requests go one at a time (TTFT without queueing); each prompt starts with a nonce (no prefix-cache hit).
@@ -37,6 +40,8 @@ import time
 import urllib.request
 import uuid
 from typing import Any, Dict, List, Optional
+
+import vllm_ttft  # bench/, beside this script
 
 WORDS = ("river stone light north garden paper silver window market cloud music table orange engine winter "
          "bridge forest letter summer island doctor planet yellow camera").split()
@@ -173,10 +178,12 @@ class Runner:
                 return v
             time.sleep(0.05)
 
-    def _pd_row(self, p, d, url: str, mode: str, prompt: str) -> Dict[str, Any]:
+    def _pd_row(self, p, d, url: str, mode: str, prompt: str, parts: bool = False) -> Dict[str, Any]:
         """One request through ``url`` (a proxy or router before ``p`` and ``d``, HixlConnector), with the
-        instances' counters: KV moved, transfer time and (push) the part exposed after the prefill."""
+        instances' counters: KV moved, transfer time and (push) the part exposed after the prefill;
+        ``parts``: its TTFT in parts (``vllm_ttft``; push through hixl proxy, both dispatched at once)."""
         a = self.args
+        h0 = {"p": vllm_ttft.snapshot(p), "d": vllm_ttft.snapshot(d)} if parts else None
         p0 = {k: _m(p, k) for k in ("vllm:hixl_kv_sent_requests_total", "vllm:hixl_kv_transfer_seconds_total",
                                     "vllm:hixl_kv_exposed_transfer_seconds_total", "vllm:hixl_kv_sent_descriptors_total")}
         d0 = {k: _m(d, k) for k in ("vllm:hixl_kv_received_requests_total", "vllm:hixl_kv_received_bytes_total",
@@ -194,6 +201,10 @@ class Runner:
             row.update(transfer_s=busy, exposed_s=pd["vllm:hixl_kv_exposed_transfer_seconds_total"],
                        descriptors=pd["vllm:hixl_kv_sent_descriptors_total"])
             row["hidden_share"] = 1.0 - row["exposed_s"] / busy if busy > 0 else None
+            if h0 is not None:
+                row["engine_s"] = {k: vllm_ttft.engine_times(i, h0[k], self._settle) for k, i in (("p", p), ("d", d))}
+                row["parts_s"] = vllm_ttft.parts(row["ttft_s"], row["engine_s"]["d"], row["engine_s"]["p"],
+                                                 row["exposed_s"], row["wait_s"])
         else:  # the read is the decoder's: all of it after the prefill
             row.update(transfer_s=row["wait_s"], exposed_s=row["wait_s"])
         return row
@@ -203,16 +214,20 @@ class Runner:
         print(f"{name}: one vLLM instance, no connector", flush=True)
 
         def one_mono(i, prompt):
+            h0 = vllm_ttft.snapshot(ref)
             r = stream(ref.url, {"model": "smollm2", "prompt": prompt, "max_tokens": a.max_tokens, "temperature": 0})
-            return {"ttft_s": r["ttft_s"], "tpot_s": r["tpot_s"], "prompt_tokens": r["usage"].get("prompt_tokens")}
+            own = vllm_ttft.engine_times(ref, h0, self._settle)
+            return {"ttft_s": r["ttft_s"], "tpot_s": r["tpot_s"], "prompt_tokens": r["usage"].get("prompt_tokens"),
+                    "engine_s": {"mono": own}, "parts_s": vllm_ttft.parts(r["ttft_s"], own)}
         self._measure(name, {name: ref}, one_mono)
 
-    def _fronted(self, name: str, front, p, d, mode: str, what: str) -> None:
+    def _fronted(self, name: str, front, p, d, mode: str, what: str, parts: bool = False) -> None:
         """Measures ``name``: HixlConnector ``mode`` through ``front`` (a ProxyProcess or RouterProcess)."""
         print(f"{name}: {what}", flush=True)
         front.start()
         try:
-            self._measure(name, {p.name: p, d.name: d}, lambda i, prompt: self._pd_row(p, d, front.url, mode, prompt))
+            self._measure(name, {p.name: p, d.name: d},
+                          lambda i, prompt: self._pd_row(p, d, front.url, mode, prompt, parts))
         except Exception as e:  # a row that fails says why; the others stand
             self.results[name] = {"failed": f"{type(e).__name__}: {e}", "front_log": front.tail(20),
                                   "prefill_log": p.tail(20), "decode_log": d.tail(20)}
@@ -242,7 +257,8 @@ class Runner:
                 if mode in a.configs:
                     self._fronted(f"hixl-{mode}", ProxyProcess([p.url], [d.url], log_dir=logs, name=f"proxy-{mode}",
                                                                args=["--mode", mode]),
-                                  p, d, mode, f"1P1D HixlConnector through hixl proxy --mode {mode}")
+                                  p, d, mode, f"1P1D HixlConnector through hixl proxy --mode {mode}",
+                                  parts=mode == "push")
             for mode, pre in (("push", p), ("pull", insts[-1])):
                 if f"router-{mode}" in a.configs:
                     self._fronted(f"router-{mode}", RouterProcess([(pre.url, None)], [d.url], log_dir=logs,
@@ -339,7 +355,7 @@ class Runner:
             self._mono("tp-mono", ref)
             self._fronted("tp2-to-tp1", ProxyProcess([p.url], [d.url], log_dir=logs, name="proxy-tp",
                                                      args=["--mode", "push"]),
-                          p, d, "push", "P TP=2 -> D TP=1, HixlConnector push through hixl proxy")
+                          p, d, "push", "P TP=2 -> D TP=1, HixlConnector push through hixl proxy", parts=True)
         except Exception as e:
             self.results["tp2-to-tp1"] = {"failed": f"{type(e).__name__}: {e}", "prefill_log": p.tail(30)}
             print("tp2-to-tp1: failed:", e, flush=True)
@@ -367,11 +383,15 @@ def summarize(doc: Dict[str, Any]) -> Dict[str, Any]:
         if xs:
             s["hidden_share"] = {"median": statistics.median(xs), "p99": _pct(xs, 99)}
         s["prompt_tokens"] = {"median": statistics.median([r["prompt_tokens"] or 0 for r in rows])}
+        s["ttft_parts_ms"] = vllm_ttft.summarize(rows)
         summ[name] = s
     for name, s in summ.items():  # TTFT against the reference measured in this run (tp rows: tp-mono)
         base = summ.get("tp-mono" if name.startswith("tp") else "mono")
         if isinstance(s, dict) and "ttft_ms" in s and isinstance(base, dict) and "ttft_ms" in base:
             s["ttft_vs_mono"] = {q: s["ttft_ms"][q] / base["ttft_ms"][q] for q in ("median", "p99")}
+            if s.get("ttft_parts_ms") and base.get("ttft_parts_ms") and s is not base:
+                s["ttft_parts_gap_ms"] = vllm_ttft.gap(s["ttft_parts_ms"], base["ttft_parts_ms"])
+                s["ttft_parts_gap_ms_ref"] = "tp-mono" if name.startswith("tp") else "mono"
     goals = _ratio_goals(summ)
     push, nixl = summ.get("hixl-push"), summ.get("nixl")
     if isinstance(push, dict) and isinstance(nixl, dict) and "ttft_ms" in push and "ttft_ms" in nixl:
@@ -433,6 +453,8 @@ def table(doc: Dict[str, Any]) -> str:
         lines.append(f"{name:<12} {s['requests']:>4}  {s['prompt_tokens']['median']:>11.0f} " +
                      " ".join(f"{v:>16}" for v in vals))
     lines.append("")
+    parts = vllm_ttft.table_lines(doc["summary"])
+    lines += parts + [""] if parts else []
     for g in doc["goals"]:
         lines.append(f"goal: {g['goal']}: {g['status']}" + (f" (ratio {g['ratio']:.3f})" if "ratio" in g else ""))
     lines.append("")
