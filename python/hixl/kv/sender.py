@@ -413,7 +413,10 @@ class KVSender:
                 self._cv.notify_all()
             self._send_failures(rid, tell)
             if settled and self._on_settled is not None:
-                self._on_settled(rid)
+                try:
+                    self._on_settled(rid)
+                except Exception:  # the caller's bug must not end the reaper: every later write waits on it
+                    _log.exception("kv: on_settled(%r)", rid)
 
     def _failures_to_send_locked(self, r: _Request) -> List[_Target]:
         """The targets whose push failed, once none of the request's transfers is in flight any
