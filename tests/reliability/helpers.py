@@ -53,6 +53,11 @@ def linked(e, name):
     return e.get_transport(name)[0] == SUCCESS
 
 
+def listen_port(e) -> int:
+    """The port an engine listens on (its local_engine "ip:port")."""
+    return int(e.local_engine.rsplit(":", 1)[1])
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -29,6 +29,7 @@ from hixl import (FAILED, NOT_CONNECTED, READ, RESOURCE_EXHAUSTED, SUCCESS, UNSU
                    TransferOpDesc)
 from hixl import _core
 
+from .helpers import listen_port as _port
 from .helpers import (ACCEPT, AUTH_CHALLENGE, AUTH_HELLO, AUTH_PROOF, CONNECT, HDR, LOGS_WARN, MAGIC, NOTIFY,
                       REFUSE, TCP_BIT, TRANSPORTS, RecordingRelay)
 
@@ -61,10 +62,6 @@ def make():
     yield _make
     for e in reversed(made):
         e.finalize()
-
-
-def _port(engine):
-    return int(engine.local_engine.rsplit(":", 1)[1])
 
 
 def _buffers(a, b):

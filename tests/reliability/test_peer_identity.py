@@ -34,6 +34,7 @@ import hixl
 from hixl import (ALREADY_CONNECTED, FAILED, PARAM_INVALID, RESOURCE_EXHAUSTED, SUCCESS, WRITE, MemDesc,
                   NotifyDesc, TransferOpDesc)
 
+from .helpers import listen_port as _port
 from .helpers import (ACCEPT, AUTH_PROOF, CONNECT, REFUSE, REPO, TCP_BIT, TRANSPORTS, engine, free_port,
                       until)
 from .test_auth import connect_payload, frame, py_client_auth, raw, read_frame, refusal
@@ -68,10 +69,6 @@ def make():
     yield _make
     for e in reversed(made):
         e.finalize()
-
-
-def _port(e):
-    return int(e.local_engine.rsplit(":", 1)[1])
 
 
 def claim(port, name, source, token=None, **payload):
