@@ -274,7 +274,7 @@ int Engine::connect_once(const std::string& key, int timeout_ms, uint32_t offers
   auto deadline = Clock::now() + milliseconds(timeout_ms);
   oob::Socket s;
   try {
-    s = connect_from(host_, host, uint16_t(port), milliseconds(timeout_ms));
+    s = oob::connect_tcp(host, uint16_t(port), milliseconds(timeout_ms), host_);
   } catch (const Error& e) {
     return fail(e.err() == ETIMEDOUT ? kTimeout : kFailed, "connect to " + key + ": " + e.what());
   }
@@ -393,7 +393,7 @@ void Engine::end_for_retry_without_shm(oob::Socket& s, const std::string& why, C
 // the peer serves; 1: the other way round.
 void Engine::attach_tcp_data(Link& link, const std::string& host, uint16_t port, Clock::time_point deadline) {
   for (uint32_t dir = 0; dir < 2; ++dir) {
-    oob::Socket d = connect_from(host_, host, port, std::max(left_until(deadline), milliseconds(1)));
+    oob::Socket d = oob::connect_tcp(host, port, std::max(left_until(deadline), milliseconds(1)), host_);
     if (!opts_.auth_token.empty()) auth::client_handshake(d, opts_.auth_token, deadline);
     wire::Control a;
     a.type = wire::FrameType::kAttach;

@@ -2,9 +2,6 @@
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
-#include <netinet/tcp.h>
-#include <poll.h>
-#include <sys/socket.h>
 
 #include <algorithm>
 #include <random>
@@ -119,67 +116,6 @@ std::string host_of(const std::string& address) {
   if (inet_pton(AF_INET6, h.c_str(), &a6) != 1) return "";
   if (IN6_IS_ADDR_V4MAPPED(&a6)) return inet_ntop(AF_INET, &a6.s6_addr[12], buf, sizeof buf);
   return inet_ntop(AF_INET6, &a6, buf, sizeof buf);
-}
-
-namespace {
-// A sockaddr for ip:port; false when ip is not an address of that family.
-bool to_sockaddr(const std::string& ip, uint16_t port, sockaddr_storage* ss, socklen_t* len) {
-  *ss = {};
-  auto* a4 = reinterpret_cast<sockaddr_in*>(ss);
-  auto* a6 = reinterpret_cast<sockaddr_in6*>(ss);
-  if (inet_pton(AF_INET, ip.c_str(), &a4->sin_addr) == 1) {
-    a4->sin_family = AF_INET;
-    a4->sin_port = htons(port);
-    *len = sizeof *a4;
-    return true;
-  }
-  if (inet_pton(AF_INET6, ip.c_str(), &a6->sin6_addr) == 1) {
-    a6->sin6_family = AF_INET6;
-    a6->sin6_port = htons(port);
-    *len = sizeof *a6;
-    return true;
-  }
-  return false;
-}
-}  // namespace
-
-oob::Socket connect_from(const std::string& local, const std::string& host, uint16_t port, milliseconds timeout) {
-  sockaddr_storage me{}, to{};
-  socklen_t me_len = 0, to_len = 0;
-  if (!to_sockaddr(local, 0, &me, &me_len) || !to_sockaddr(host, port, &to, &to_len) || me.ss_family != to.ss_family ||
-      local == "0.0.0.0" || local == "::")
-    return oob::connect_tcp(host, port, timeout);
-  oob::Socket s(::socket(to.ss_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
-#ifdef IP_BIND_ADDRESS_NO_PORT
-  int no_port = 1;  // the port is chosen at connect(), per destination, as without bind()
-  if (s.valid()) ::setsockopt(s.fd(), IPPROTO_IP, IP_BIND_ADDRESS_NO_PORT, &no_port, sizeof no_port);
-#endif
-  if (!s.valid() || ::bind(s.fd(), reinterpret_cast<sockaddr*>(&me), me_len) != 0)
-    return oob::connect_tcp(host, port, timeout);  // e.g. EADDRNOTAVAIL: the kernel chooses
-  const auto desc = [&] {
-    return CallDesc("connect").arg("host", host).arg("port", port).arg("from", local).arg("timeout_ms",
-                                                                                          timeout.count()).str();
-  };
-  if (::connect(s.fd(), reinterpret_cast<sockaddr*>(&to), to_len) != 0) {
-    // Not routable from that address (e.g. a loopback name, a remote peer): as the kernel chooses, so
-    // that the peer's answer says what is wrong.
-    if (errno != EINPROGRESS) return oob::connect_tcp(host, port, timeout);
-    const auto deadline = Clock::now() + timeout;
-    for (;;) {
-      pollfd p{s.fd(), POLLOUT, 0};
-      const int rc = ::poll(&p, 1, int(left_until(deadline).count()));
-      if (rc > 0) break;
-      if (rc == 0) throw_errno(desc(), ETIMEDOUT);
-      if (errno != EINTR) throw_errno(desc(), errno);
-    }
-    int err = 0;
-    socklen_t len = sizeof err;
-    ::getsockopt(s.fd(), SOL_SOCKET, SO_ERROR, &err, &len);
-    if (err) throw_errno(desc(), err);
-  }
-  int one = 1;
-  ::setsockopt(s.fd(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-  return s;
 }
 
 milliseconds left_until(Clock::time_point deadline) {

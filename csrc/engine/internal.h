@@ -28,10 +28,6 @@ std::string offers_string(uint32_t offers);  // "rdma,shm,tcp" for wire::transpo
 // The canonical IP of "ip:port", "[v6]:port" or "ip" (an IPv4-mapped IPv6 address as IPv4); "" when
 // it is none.
 std::string host_of(const std::string& address);
-// A TCP connection to host:port from the local address `local` (an IP; "" or a wildcard: the
-// kernel's choice, as also when that address cannot be bound), so that the peer sees the address
-// our name has. Throws hixl::Error (ETIMEDOUT at the timeout), naming the call.
-oob::Socket connect_from(const std::string& local, const std::string& host, uint16_t port, milliseconds timeout);
 milliseconds left_until(Clock::time_point deadline);  // >= 0
 uint64_t random_u64();
 

@@ -135,27 +135,66 @@ Socket accept_tcp(const Socket& listener, std::chrono::milliseconds timeout) {
   }
 }
 
-Socket connect_tcp(const std::string& host, uint16_t port, std::chrono::milliseconds timeout) {
+namespace {
+// Binds s to the address `from` (its port chosen at connect(), per destination, as without bind())
+// when `from` is an address of `family` other than the wildcard. False: s stays unbound.
+bool bind_source(const Socket& s, int family, const std::string& from) {
+  if (from.empty() || from == "0.0.0.0" || from == "::") return false;
+  sockaddr_storage ss{};
+  socklen_t len = 0;
+  if (family == AF_INET) {
+    auto* a = reinterpret_cast<sockaddr_in*>(&ss);
+    if (inet_pton(AF_INET, from.c_str(), &a->sin_addr) != 1) return false;
+    a->sin_family = AF_INET;
+    len = sizeof *a;
+  } else if (family == AF_INET6) {
+    auto* a = reinterpret_cast<sockaddr_in6*>(&ss);
+    if (inet_pton(AF_INET6, from.c_str(), &a->sin6_addr) != 1) return false;
+    a->sin6_family = AF_INET6;
+    len = sizeof *a;
+  } else {
+    return false;
+  }
+#ifdef IP_BIND_ADDRESS_NO_PORT
+  int no_port = 1;
+  ::setsockopt(s.fd(), IPPROTO_IP, IP_BIND_ADDRESS_NO_PORT, &no_port, sizeof no_port);
+#endif
+  return ::bind(s.fd(), reinterpret_cast<sockaddr*>(&ss), len) == 0;  // e.g. EADDRNOTAVAIL: unbound
+}
+}  // namespace
+
+Socket connect_tcp(const std::string& host, uint16_t port, std::chrono::milliseconds timeout,
+                   const std::string& from) {
   auto deadline = Clock::now() + timeout;
   AddrInfo ai(host, port, false);
   int last = ETIMEDOUT;
   for (addrinfo* a = ai.res; a; a = a->ai_next) {
-    Socket s(::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, a->ai_protocol));
-    if (!s.valid()) { last = errno; continue; }
-    int rc = ::connect(s.fd(), a->ai_addr, a->ai_addrlen);
-    if (rc != 0 && errno != EINPROGRESS) { last = errno; continue; }
-    if (rc != 0) {
-      if (!wait_fd(s.fd(), POLLOUT, deadline, "connect")) { last = ETIMEDOUT; continue; }
-      int err = 0;
-      socklen_t len = sizeof err;
-      getsockopt(s.fd(), SOL_SOCKET, SO_ERROR, &err, &len);
-      if (err) { last = err; continue; }
+    for (bool bind_it = !from.empty();; bind_it = false) {
+      Socket s(::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, a->ai_protocol));
+      if (!s.valid()) { last = errno; break; }
+      const bool bound = bind_it && bind_source(s, a->ai_family, from);
+      int rc = ::connect(s.fd(), a->ai_addr, a->ai_addrlen);
+      if (rc != 0 && errno != EINPROGRESS) {
+        last = errno;
+        if (bound) continue;  // not routable from there (a loopback name, a remote peer): as the kernel chooses
+        break;
+      }
+      if (rc != 0) {
+        if (!wait_fd(s.fd(), POLLOUT, deadline, "connect")) { last = ETIMEDOUT; break; }
+        int err = 0;
+        socklen_t len = sizeof err;
+        getsockopt(s.fd(), SOL_SOCKET, SO_ERROR, &err, &len);
+        if (err) { last = err; break; }
+      }
+      int one = 1;
+      setsockopt(s.fd(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+      return s;
     }
-    int one = 1;
-    setsockopt(s.fd(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-    return s;
   }
-  throw_errno(CallDesc("connect").arg("host", host).arg("port", port).arg("timeout_ms", timeout.count()).str(), last);
+  CallDesc d("connect");
+  d.arg("host", host).arg("port", port);
+  if (!from.empty()) d.arg("from", from);
+  throw_errno(d.arg("timeout_ms", timeout.count()).str(), last);
 }
 
 void send_all(const Socket& s, const std::vector<uint8_t>& data, Clock::time_point deadline) {

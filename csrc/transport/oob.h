@@ -39,7 +39,10 @@ std::pair<Socket, uint16_t> listen_tcp(const std::string& host, uint16_t port, i
 // Waits up to timeout for a connection; returns an invalid Socket on timeout.
 Socket accept_tcp(const Socket& listener, std::chrono::milliseconds timeout);
 // Connects with a deadline; throws hixl::Error (naming host, port, errno) on refusal or timeout.
-Socket connect_tcp(const std::string& host, uint16_t port, std::chrono::milliseconds timeout);
+// `from`: the source address to connect from (so that a peer sees our name's host), when it is one of
+// ours and the destination is reachable from it; otherwise the kernel chooses, as without it.
+Socket connect_tcp(const std::string& host, uint16_t port, std::chrono::milliseconds timeout,
+                   const std::string& from = "");
 
 void send_all(const Socket& s, const std::vector<uint8_t>& data, Clock::time_point deadline);
 // Reads one frame. A payload_len over max_payload (at most wire::kMaxPayload) is refused before
