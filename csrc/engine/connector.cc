@@ -191,21 +191,6 @@ void Engine::remove_link(const std::shared_ptr<Link>& link, const std::string& w
   log::info("engine " + name_ + ": link to " + link->key + " closed: " + why);
 }
 
-// rdma: QP -> ERR; shm/tcp: copies stopped, the peer's requests refused. The progress and watchdog
-// threads carry every link's frames and pings, so they hand the wait for a running request to a
-// worker: a request in flight must not silence the engine towards its other peers.
-void Engine::close_path(const std::shared_ptr<transport::DataPath>& path, Metrics::Cause cause) {
-  const auto self = std::this_thread::get_id();
-  if (cause != Metrics::Cause::kFinalize && (self == progress_id_.load() || self == watchdog_id_.load())) {
-    try {
-      spawn([path] { path->close(); });
-      return;
-    } catch (const std::exception&) {  // finalizing: close it here, finalize() waits for it anyway
-    }
-  }
-  path->close();
-}
-
 // ------------------------------------------------------------------------------- connecting
 int Engine::connect(const std::string& remote, int timeout_ms) {
   try {

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <thread>
 
 #include "engine/engine.h"
 #include "engine/internal.h"
@@ -148,6 +149,21 @@ void Engine::close_if_not_reading(const std::shared_ptr<Link>& link, Clock::time
                           std::to_string(kMaxQueuedReplyBytes) + " bytes)";
   log::warn("engine " + name_ + ": link to " + link->key + ": " + why + "; closing it");
   remove_link(link, why, Metrics::Cause::kStalled);
+}
+
+// rdma: QP -> ERR; shm/tcp: copies stopped, the peer's requests refused. The progress and watchdog
+// threads carry every link's frames and pings, so they hand the wait for a running request to a
+// worker: a request in flight must not silence the engine towards its other peers.
+void Engine::close_path(const std::shared_ptr<transport::DataPath>& path, Metrics::Cause cause) {
+  const auto self = std::this_thread::get_id();
+  if (cause != Metrics::Cause::kFinalize && (self == progress_id_.load() || self == watchdog_id_.load())) {
+    try {
+      spawn([path] { path->close(); });
+      return;
+    } catch (const std::exception&) {  // finalizing: close it here, finalize() waits for it anyway
+    }
+  }
+  path->close();
 }
 
 void Engine::progress_loop() {
