@@ -118,12 +118,7 @@ void Engine::make_path(Link& link, const wire::Control& peer) {
       break;
     }
     case wire::Transport::kTcp: {
-      auto p = std::make_shared<transport::TcpPath>(
-          link.key,
-          [this](uint64_t a, uint64_t len, bool write) {
-            return registry_.allows(a, len, write ? wire::kRemoteWrite : wire::kRemoteRead);
-          },
-          registry_.data_lock());
+      auto p = std::make_shared<transport::TcpPath>(link.key, &registry_);
       p->set_flag_sender(flag_sender);
       link.tcp = p.get();
       link.path = p;

@@ -3,7 +3,8 @@
 // The Engine is a facade over parts, each in its own files, each owning its state and its lock:
 //
 //   part (file)                  holds                                                lock
-//   Registry (registry.h)        local regions, MRs, memfds, the range table, version  mu_ (leaf); data_mu_
+//   Registry (registry.h)        local regions, MRs, memfds, the range table,          mu_ (leaf) (+ uses_cv_)
+//                                the version, the tcp requests being served
 //   LinkTable (link_table.h)     links by peer, handshake claims, closed records       mu_
 //   Link (link.h)                one peer: control connection + reader, data path,    mu (state), send_mu
 //                                the peer's regions, replies awaited
@@ -22,7 +23,6 @@
 // Lock order: a thread holding a lock on the left may take the one on its right, never the reverse;
 // the locks not listed on a left side are leaves (nothing else is taken while they are held).
 //   Engine::mu_        -> LinkTable::mu_, Handshakes::mu_ (finalize closes both with the state)
-//   Registry::data_mu_ -> Registry::mu_
 //   Engine::push_mu_   -> Registry::mu_, Link::send_mu (the links the regions are pushed to)
 //   Requests::mu_      -> Link::mu (and the data path's own lock: status, wait_done(0))
 //   DescList::mu of a local list -> DescList::mu of a remote list -> Registry::mu_, Link::mu

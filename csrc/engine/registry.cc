@@ -1,5 +1,8 @@
 #include "engine/registry.h"
 
+#include <algorithm>
+#include <chrono>
+
 #include "acl/allocator.h"
 #include "engine/internal.h"
 #include "verbs/error.h"
@@ -70,8 +73,7 @@ std::pair<int, uint64_t> Registry::add(uint64_t addr, uint64_t len, MemType type
 int Registry::remove(uint64_t handle, bool* removed) {
   *removed = false;
   std::shared_ptr<verbs::MemoryRegion> mr;  // released after mu_ (ibv_dereg_mr can be slow)
-  std::unique_lock<std::shared_mutex> data(data_mu_);  // a tcp peer's write into it finishes first
-  std::lock_guard<util::Mutex> g(mu_);
+  std::unique_lock<util::Mutex> lk(mu_);
   if (handle == 0 || handle >= next_handle_)
     return fail(kParamInvalid, "deregister_mem(handle=" + std::to_string(handle) + "): never issued");
   auto it = regions_.find(handle);
@@ -79,10 +81,48 @@ int Registry::remove(uint64_t handle, bool* removed) {
   mr = std::move(it->second.mr);
   ++version_;
   by_range_.erase({it->second.addr, it->second.len});
-  table_.erase(handle);
+  table_.erase(handle);  // from here no new request is let in
   regions_.erase(it);
   *removed = true;
+  // A tcp request already moving bytes of this region is cut (shutdown(2) of its connection, which
+  // ends its socket I/O at once): we wait for it to let go, never for the peer.
+  auto holds = [handle](const Use* u) {
+    return std::find(u->regions.begin(), u->regions.end(), handle) != u->regions.end();
+  };
+  for (Use* u : uses_)
+    if (holds(u) && !u->was_cut) {
+      u->was_cut = true;
+      u->cut();
+    }
+  if (!uses_cv_.wait_for(lk, std::chrono::seconds(30), [&] { return std::none_of(uses_.begin(), uses_.end(), holds); }))
+    return fail(kFailed, "deregister_mem(handle=" + std::to_string(handle) + "): a tcp request into the region did "
+                         "not end within 30 s of being cut; it may still write there");
   return ok();
+}
+
+bool Registry::begin(Use* use, const transport::Range* ranges, size_t n, bool write) {
+  const uint32_t access = write ? wire::kRemoteWrite : wire::kRemoteRead;
+  use->regions.clear();
+  use->was_cut = false;
+  std::lock_guard<util::Mutex> g(mu_);
+  const RegionEntry* last = nullptr;
+  for (size_t i = 0; i < n; ++i) {
+    const transport::Range r = ranges[i];
+    if (last && last->contains(r.addr, r.len)) continue;
+    if (!(last = table_.find(r.addr, r.len, access))) return false;
+    if (std::find(use->regions.begin(), use->regions.end(), last->id) == use->regions.end())
+      use->regions.push_back(last->id);
+  }
+  uses_.push_back(use);
+  return true;
+}
+
+void Registry::end(Use* use) {
+  {
+    std::lock_guard<util::Mutex> g(mu_);
+    uses_.erase(std::find(uses_.begin(), uses_.end(), use));
+  }
+  uses_cv_.notify_all();
 }
 
 std::vector<wire::Region> Registry::regions(uint64_t* version) const {
@@ -143,11 +183,6 @@ size_t Registry::resolve_blocks(const uint64_t* addr, const uint64_t* len, size_
     if (!last && first_bad == n) first_bad = i;
   }
   return first_bad;
-}
-
-bool Registry::allows(uint64_t addr, uint64_t len, uint32_t access) const {
-  std::lock_guard<util::Mutex> g(mu_);
-  return table_.find(addr, len, access) != nullptr;
 }
 
 void Registry::close() {

@@ -2,29 +2,30 @@
 // protection domain, the memfds same-host peers map), the range table every transfer is checked
 // against, the version peers use to keep the newest list, and the data lock.
 //
-// Locks: `mu_` guards everything here and is a leaf (nothing else is taken while it is held).
-// `data_mu_` is held shared while a tcp peer's request touches our memory and exclusively by
-// remove(), so that once remove() returns no tcp write lands in the region any more; it is taken
-// before `mu_`.
+// Locks: `mu_` guards everything here and is a leaf (nothing else is taken while it is held). A tcp
+// peer's request holds the regions it touches (transport::ServedMemory) without a lock while its
+// bytes move; remove() cuts such a request and waits only for it to let go, so that once remove()
+// returns nothing of a tcp peer lands in the region any more.
 #pragma once
 
 #include <atomic>
 #include <map>
 #include <memory>
+#include <condition_variable>
 #include <mutex>
-#include <shared_mutex>
 #include <utility>
 #include <vector>
 
 #include "engine/region_table.h"
 #include "engine/types.h"
+#include "transport/served_memory.h"
 #include "util/mutex.h"
 #include "verbs/resources.h"
 #include "wire/control.h"
 
 namespace hixl::engine {
 
-class Registry {
+class Registry final : public transport::ServedMemory {
  public:
   // The protection domain MRs go on (null: no RDMA device; regions then have no MR). Set once, at
   // the engine's initialize(), before any add().
@@ -52,9 +53,10 @@ class Registry {
                         uint8_t ok_flag, uint64_t* version) const;
   // Bumped by every (de)registration: a prepared list resolved at an older version is resolved again.
   uint64_t version() const { return version_.load(std::memory_order_acquire); }
-  // A tcp peer's request: all of [addr, addr+len) inside one region that allows `access`.
-  bool allows(uint64_t addr, uint64_t len, uint32_t access) const;
-  std::shared_mutex* data_lock() { return &data_mu_; }
+  // A tcp peer's request (ServedMemory): every range inside one region that allows the access; the
+  // regions are then held until end(). remove() of a held region cuts the request and waits for end().
+  bool begin(Use* use, const transport::Range* ranges, size_t n, bool write) override;
+  void end(Use* use) override;
 
   // The engine finalized (after every queue pair is gone): every registration is dropped and add()
   // refuses from now on.
@@ -80,7 +82,8 @@ class Registry {
   uint64_t next_handle_ = 1;
   std::atomic<uint64_t> version_{1};  // bumped on every (de)registration (under mu_); peers keep the newest list
   bool closed_ = false;
-  std::shared_mutex data_mu_;
+  std::vector<Use*> uses_;                 // tcp requests being served, and the regions each holds
+  std::condition_variable_any uses_cv_;    // an end(): remove() waits for the uses it cut
 };
 
 }  // namespace hixl::engine

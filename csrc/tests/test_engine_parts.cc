@@ -76,17 +76,52 @@ void registry() {
     lens[2] = 0;
     CHECK_EQ(r.resolve_blocks(addrs, lens, 2, keys, flags, 4, &ver), size_t(2));
   }
-  // Access for tcp peers: b is read-only.
-  CHECK(r.allows(pa, 64, wire::kRemoteWrite) && r.allows(pb, 64, wire::kRemoteRead));
-  CHECK(!r.allows(pb, 64, wire::kRemoteWrite) && !r.allows(pa + 4000, 200, 0));
+  // Access for tcp peers: b is read-only; a request spanning both regions holds both.
+  auto allows = [&](uint64_t addr, uint64_t len, bool write) {
+    transport::ServedMemory::Use u;
+    transport::Range rg{addr, len};
+    bool ok = r.begin(&u, &rg, 1, write);
+    if (ok) r.end(&u);
+    return ok;
+  };
+  CHECK(allows(pa, 64, true) && allows(pb, 64, false) && allows(pa, 64, false));
+  CHECK(!allows(pb, 64, true) && !allows(pa + 4000, 200, true) && !allows(pa, 0, false));
+  {
+    transport::ServedMemory::Use u;
+    transport::Range rg[3] = {{pa, 8}, {pb, 8}, {pa + 8, 8}};
+    CHECK(r.begin(&u, rg, 3, false) && u.regions.size() == 2);
+    r.end(&u);
+  }
+  // Removal cuts a request that holds the region and returns once it let go, not before; a request
+  // holding another region is left alone.
+  {
+    transport::ServedMemory::Use held_b, held_a;
+    std::atomic<int> cuts{0};
+    std::atomic<bool> ended{false};
+    held_b.cut = [&] { ++cuts; };
+    held_a.cut = [&] { cuts += 100; };
+    transport::Range rb{pb, 8}, ra{pa, 8};
+    CHECK(r.begin(&held_b, &rb, 1, false) && r.begin(&held_a, &ra, 1, true));
+    std::thread t([&] {
+      while (cuts.load() == 0) std::this_thread::yield();
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      ended = true;
+      r.end(&held_b);
+    });
+    CHECK(r.remove(h2, &changed) == kSuccess && changed);
+    CHECK(ended.load() && cuts.load() == 1 && held_b.was_cut && !held_a.was_cut);
+    t.join();
+    r.end(&held_a);
+    transport::Range rb2{pb, 8};
+    CHECK(!r.begin(&held_b, &rb2, 1, false));  // gone for new requests
+  }
   // Removal: idempotent for handles issued, refused for others; peers learn of it once.
-  CHECK(r.remove(h2, &changed) == kSuccess && changed);
   CHECK(r.remove(h2, &changed) == kSuccess && !changed);
   CHECK_EQ(r.remove(h2 + 100, &changed), kParamInvalid);
   CHECK_EQ(r.remove(0, &changed), kParamInvalid);
   uint64_t v2 = 0;
   CHECK(r.regions(&v2).size() == 1 && v2 > v1);
-  CHECK(!r.allows(pb, 64, wire::kRemoteRead));
+  CHECK(!allows(pb, 64, false));
   // Closed: everything dropped, no more registrations.
   r.close();
   CHECK(r.size() == 0 && r.add(pb, 64, MemType::kHost, kRW, &changed).first == kFailed && !changed);

@@ -44,13 +44,19 @@ std::chrono::microseconds spin_budget() {
   return v;
 }
 
+// Once a request's header arrived, the peer that sends nothing more of it for this long is cut: a
+// live peer stalling mid-frame holds only its own link's serving thread, and not for ever. TCP's
+// own retransmissions back off to 6.4 s only after six losses of one segment in a row.
+constexpr std::chrono::milliseconds kFrameStall{10000};
+
 // Moves every byte of iov[0, cnt) with sendmsg/recvmsg (IOV_MAX entries at a time; the array is
 // consumed). Waits spin for spin_budget() since the last progress, then poll in 100 ms slices so
-// that `stop` and the deadline are noticed.
+// that `stop` and the deadline are noticed. stall > 0: also kTimeout after that long without a byte.
 Io xferv(int fd, iovec* iov, size_t cnt, bool sending, Clock::time_point deadline, const std::atomic<bool>* stop,
-         int* err) {
+         int* err, std::chrono::milliseconds stall = std::chrono::milliseconds(0)) {
   size_t i = 0;
   Clock::time_point spin_until{};
+  Clock::time_point stall_at = stall.count() ? Clock::now() + stall : Clock::time_point::max();
   while (i < cnt) {
     if (iov[i].iov_len == 0) {
       ++i;
@@ -72,6 +78,7 @@ Io xferv(int fd, iovec* iov, size_t cnt, bool sending, Clock::time_point deadlin
         if (!iov[i].iov_len) ++i;
       }
       spin_until = {};
+      if (stall.count()) stall_at = Clock::now() + stall;
       continue;
     }
     if (n == 0 && !sending) return Io::kClosed;
@@ -81,7 +88,7 @@ Io xferv(int fd, iovec* iov, size_t cnt, bool sending, Clock::time_point deadlin
       return errno == ECONNRESET || errno == EPIPE ? Io::kClosed : Io::kError;
     }
     auto now = Clock::now();
-    if (now >= deadline) return Io::kTimeout;
+    if (now >= deadline || now >= stall_at) return Io::kTimeout;
     if (spin_until == Clock::time_point{}) spin_until = now + spin_budget();
     if (now < spin_until) {
       // Yield while spinning: the thread we wait for may have been woken onto this very CPU, where
@@ -89,7 +96,7 @@ Io xferv(int fd, iovec* iov, size_t cnt, bool sending, Clock::time_point deadlin
       ::sched_yield();
       continue;
     }
-    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now).count();
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(std::min(deadline, stall_at) - now).count();
     pollfd pf{fd, short(sending ? POLLOUT : POLLIN), 0};
     int rc = ::poll(&pf, 1, int(std::min<long long>(left + 1, 100)));
     if (rc < 0 && errno != EINTR) {
@@ -101,9 +108,9 @@ Io xferv(int fd, iovec* iov, size_t cnt, bool sending, Clock::time_point deadlin
 }
 
 Io xfer(int fd, void* p, size_t len, bool sending, Clock::time_point deadline, const std::atomic<bool>* stop,
-        int* err) {
+        int* err, std::chrono::milliseconds stall = std::chrono::milliseconds(0)) {
   iovec v{p, len};
-  return xferv(fd, &v, 1, sending, deadline, stop, err);
+  return xferv(fd, &v, 1, sending, deadline, stop, err, stall);
 }
 
 const char* io_name(Io r) {
@@ -119,8 +126,7 @@ const char* io_name(Io r) {
 
 }  // namespace
 
-TcpPath::TcpPath(std::string peer, Validator validate, std::shared_mutex* registry_mu)
-    : peer_(std::move(peer)), validate_(std::move(validate)), registry_mu_(registry_mu) {}
+TcpPath::TcpPath(std::string peer, ServedMemory* memory) : peer_(std::move(peer)), memory_(memory) {}
 
 TcpPath::~TcpPath() { close(); }
 
@@ -219,11 +225,14 @@ Result TcpPath::execute(Op op, const std::vector<Desc>& descs, Clock::time_point
   return Result(Status::kCompleted);
 }
 
-void TcpPath::serve_loop() {
+// One request of the peer's: its descriptors, then (write) its payloads into our memory or (read)
+// the reply and the payloads from it. True when the next request may follow; false when the data
+// connection closes, with *why set unless the peer or our own close ended it. The memory it touches
+// is held (memory_->begin) only while its bytes move.
+bool TcpPath::serve_one(const uint8_t* h, ServedMemory::Use* use, std::vector<uint8_t>* descs,
+                        std::vector<Range>* ranges, std::vector<iovec>* iov, std::string* why) {
   const int fd = srv_.fd();
   const auto forever = Clock::time_point::max();
-  std::vector<uint8_t> descs;
-  std::vector<iovec> iov;
   int err = 0;
   auto reply = [&](uint64_t seq, uint32_t status) {
     uint8_t rep[kReply];
@@ -232,51 +241,66 @@ void TcpPath::serve_loop() {
     put64(rep + 8, seq);
     return xfer(fd, rep, sizeof rep, true, Clock::now() + std::chrono::seconds(30), &stopping_, &err);
   };
+  uint32_t op = get32(h + 4), n = get32(h + 16);
+  uint64_t seq = get64(h + 8);
+  if (get32(h) != kMagic || (op != kOpWrite && op != kOpRead) || n == 0 || n > kMaxDescs || get32(h + 20)) {
+    reply(seq, kFailed);
+    *why = "malformed request header";
+    return false;
+  }
+  descs->resize(16 * size_t(n));
+  auto ended = [&](Io r, const char* what) {
+    if (r != Io::kStopped && r != Io::kClosed)
+      *why = std::string(what) + " " + io_name(r) + (err ? ": " + errno_str(err) : "");
+    return false;
+  };
+  if (Io r = xfer(fd, descs->data(), descs->size(), false, forever, &stopping_, &err, kFrameStall); r != Io::kOk)
+    return ended(r, "descriptors");
+  const bool write = op == kOpWrite;
+  ranges->resize(n);
+  for (uint32_t i = 0; i < n; ++i) (*ranges)[i] = Range{get64(&(*descs)[16 * i]), get64(&(*descs)[16 * i + 8])};
+  if (!memory_->begin(use, ranges->data(), n, write)) {
+    // An honest initiator checked the same ranges; the payload that follows cannot be skipped safely.
+    reply(seq, kParamInvalid);
+    *why = std::string(write ? "write" : "read") + " request for memory that is not registered here for remote " +
+           (write ? "write" : "read");
+    return false;
+  }
+  uint8_t rep[kReply];
+  put32(rep, kMagic);
+  put32(rep + 4, 0);
+  put64(rep + 8, seq);
+  iov->clear();
+  if (!write) iov->push_back(iovec{rep, sizeof rep});  // the reply, then the payloads, in one sendmsg
+  for (const Range& r : *ranges) iov->push_back(iovec{reinterpret_cast<void*>(r.addr), size_t(r.len)});
+  Io r = write ? xferv(fd, iov->data(), iov->size(), false, forever, &stopping_, &err, kFrameStall)
+               : xferv(fd, iov->data(), iov->size(), true, Clock::now() + std::chrono::seconds(30), &stopping_, &err);
+  memory_->end(use);  // from here on a deregistration of that memory needs nothing of ours
+  if (use->was_cut) {
+    *why = "a request touched memory deregistered meanwhile (it was cut)";
+    return false;
+  }
+  if (r != Io::kOk) return ended(r, "payload");
+  return !write || reply(seq, 0) == Io::kOk;
+}
+
+void TcpPath::serve_loop() {
+  const int fd = srv_.fd();
+  ServedMemory::Use use;
+  use.cut = [this] { srv_.shutdown(); };
+  std::vector<uint8_t> descs;
+  std::vector<Range> ranges;
+  std::vector<iovec> iov;
   std::string why;
+  int err = 0;
   for (;;) {
     uint8_t h[kHeader];
-    Io r = xfer(fd, h, sizeof h, false, forever, &stopping_, &err);
+    Io r = xfer(fd, h, sizeof h, false, Clock::time_point::max(), &stopping_, &err);
     if (r != Io::kOk) {
       if (r != Io::kStopped && r != Io::kClosed) why = std::string("header ") + io_name(r);
       break;
     }
-    uint32_t op = get32(h + 4), n = get32(h + 16);
-    uint64_t seq = get64(h + 8);
-    if (get32(h) != kMagic || (op != kOpWrite && op != kOpRead) || n == 0 || n > kMaxDescs || get32(h + 20)) {
-      why = "malformed request header";
-      reply(seq, kFailed);
-      break;
-    }
-    descs.resize(16 * size_t(n));
-    if ((r = xfer(fd, descs.data(), descs.size(), false, forever, &stopping_, &err)) != Io::kOk) break;
-    const bool write = op == kOpWrite;
-    std::shared_lock<std::shared_mutex> reg(*registry_mu_);  // deregistration waits for us
-    bool valid = true;
-    for (uint32_t i = 0; i < n && valid; ++i) {
-      uint64_t a = get64(&descs[16 * i]), len = get64(&descs[16 * i + 8]);
-      valid = len && a + len >= a && validate_(a, len, write);
-    }
-    if (!valid) {
-      // An honest initiator checked the same ranges; the payload that follows cannot be skipped safely.
-      why = std::string(write ? "write" : "read") + " request for memory that is not registered here for remote " + (write ? "write" : "read");
-      reply(seq, kParamInvalid);
-      break;
-    }
-    uint8_t rep[kReply];
-    put32(rep, kMagic);
-    put32(rep + 4, 0);
-    put64(rep + 8, seq);
-    iov.clear();
-    if (!write) iov.push_back(iovec{rep, sizeof rep});  // the reply, then the payloads, in one sendmsg
-    for (uint32_t i = 0; i < n; ++i)
-      iov.push_back(iovec{reinterpret_cast<void*>(get64(&descs[16 * i])), size_t(get64(&descs[16 * i + 8]))});
-    if (write) {
-      if (xferv(fd, iov.data(), iov.size(), false, forever, &stopping_, &err) != Io::kOk) break;
-      if (reply(seq, 0) != Io::kOk) break;
-    } else if (xferv(fd, iov.data(), iov.size(), true, Clock::now() + std::chrono::seconds(30), &stopping_, &err) !=
-               Io::kOk) {
-      break;
-    }
+    if (!serve_one(h, &use, &descs, &ranges, &iov, &why)) break;
   }
   if (!why.empty()) log::warn("tcp path from " + peer_ + ": " + why + "; closing the data connection");
   srv_.shutdown();

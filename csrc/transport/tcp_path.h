@@ -3,30 +3,32 @@
 //   - on the "request" socket this side sends requests and reads replies (in the requesting thread);
 //   - on the "serve" socket a thread of this side reads the peer's requests, checks every range
 //     against our registrations (the same checks as the initiator's), applies writes straight into
-//     registered memory and answers reads from it.
+//     registered memory and answers reads from it. Once a request's header arrived, a peer that
+//     sends nothing of it for kFrameStall is cut (the data connection closes).
 // Wire, little endian: request = u32 magic 'HXTD', u32 op (1 write, 2 read), u64 seq, u32 ndesc,
 // u32 0, ndesc * {u64 addr, u64 len}, then (write) the payloads back to back. Reply = u32 magic,
 // u32 status (hixl code), u64 seq, then (read, status 0) the payloads.
 #pragma once
 
+#include <sys/uio.h>
+
 #include <atomic>
-#include <functional>
-#include <shared_mutex>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "transport/data_path.h"
 #include "transport/oob.h"
+#include "transport/served_memory.h"
 
 namespace hixl::transport {
 
 class TcpPath final : public QueuedPath {
  public:
-  // Is [addr, addr+len) inside one of our registered regions (write: the peer writes into it)?
-  using Validator = std::function<bool(uint64_t addr, uint64_t len, bool write)>;
-  // registry_mu: held shared while a peer's request touches our memory; deregistration takes it
-  // exclusively, so after deregister_mem() returns no TCP write lands in that memory.
-  TcpPath(std::string peer, Validator validate, std::shared_mutex* registry_mu);
+  // memory: checks and holds what each of the peer's requests touches (served_memory.h); a
+  // deregistration cuts a request that touches its region, so after deregister_mem() returns no
+  // byte of that request lands in (or is read from) that memory. It outlives the path.
+  TcpPath(std::string peer, ServedMemory* memory);
   ~TcpPath() override;
   const char* name() const override { return "tcp"; }
   // serve = the socket on which the peer sends us requests. Both must be attached before use.
@@ -40,9 +42,10 @@ class TcpPath final : public QueuedPath {
 
  private:
   void serve_loop();
+  bool serve_one(const uint8_t* header, ServedMemory::Use* use, std::vector<uint8_t>* descs,
+                 std::vector<Range>* ranges, std::vector<iovec>* iov, std::string* why);
   std::string peer_;
-  Validator validate_;
-  std::shared_mutex* registry_mu_;
+  ServedMemory* memory_;
   std::mutex attach_mu_;
   std::condition_variable attach_cv_;
   oob::Socket req_, srv_;

@@ -1,0 +1,97 @@
+"""Reliability: deregistration is a fence, and a stalled peer holds nothing of anyone else's.
+
+- A tcp peer stopped (SIGSTOP) in the middle of a WRITE's payload: a deregister_mem of another region
+  returns at once (no lock is held while the payload is awaited), and a deregister_mem of the region it
+  writes cuts the request and returns at once too; nothing of it lands after, even once it resumes.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from hixl import SUCCESS, MemDesc, MemType
+
+from .helpers import PEER
+from .helpers import engine as _engine
+
+QUICK_S = 1.0  # what "at once" means here: the old engine waited for the peer for ever
+
+
+def _writer(transport, name, addr, size, mode):
+    p = subprocess.Popen([sys.executable, str(PEER), transport, str(size), mode, name, str(addr)],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    return p
+
+
+def _end(p):
+    try:
+        p.stdin.close()  # the peer finalizes and exits
+    except BrokenPipeError:
+        pass
+    try:
+        p.wait(30)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait(30)
+    p.stdout.close()
+
+
+def _timed(fn, bound_s):
+    """fn() on a thread: (its result, seconds) if it returned within bound_s, else (None, None)."""
+    out = {}
+
+    def run():
+        t0 = time.monotonic()
+        out["v"] = fn()
+        out["s"] = time.monotonic() - t0
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(bound_s)
+    return (out["v"], out["s"]) if "s" in out else (None, None)
+
+
+def test_a_tcp_peer_stalled_mid_payload_holds_no_other_call():
+    size = 256 << 20
+    e = _engine("tcp")
+    a = np.zeros(size, np.uint8)
+    b = np.zeros(4096, np.uint8)
+    rc, ha = e.register_mem(MemDesc(a.ctypes.data, size), MemType.MEM_HOST)
+    assert rc == SUCCESS, e.last_error()
+    rc, hb = e.register_mem(MemDesc(b.ctypes.data, b.size), MemType.MEM_HOST)
+    assert rc == SUCCESS, e.last_error()
+    p = _writer("tcp", e.local_engine, a.ctypes.data, size, "--write-to")
+    stopped = False
+    try:
+        deadline = time.monotonic() + 30
+        while not a[1]:  # the first payload bytes landed: the peer is inside the WRITE
+            assert time.monotonic() < deadline and p.poll() is None, "the peer's WRITE never started"
+            time.sleep(0.0005)
+        p.send_signal(19)  # SIGSTOP: alive, linked, sending nothing more of this frame
+        stopped = True
+        time.sleep(0.2)  # the socket's queued bytes are drained; our serving thread now waits
+        assert not a[-1], "the WRITE finished before the peer stopped: make it bigger"
+        rc, took = _timed(lambda: e.deregister_mem(hb), 10)
+        assert rc == SUCCESS and took < QUICK_S, "deregister_mem of another region waited %s s for the " \
+            "stalled peer (rc %s)" % (took, rc)
+        rc, took = _timed(lambda: e.deregister_mem(ha), 10)
+        assert rc == SUCCESS and took < QUICK_S, "deregister_mem of the region being written took %s s " \
+            "(rc %s)" % (took, rc)
+        a[:] = 0
+        p.send_signal(18)  # SIGCONT
+        stopped = False
+        end = json.loads(p.stdout.readline())
+        assert end["rc"] != SUCCESS, end
+        time.sleep(0.2)
+        assert not np.any(a), "%d bytes landed after deregister_mem returned" % np.count_nonzero(a)
+    finally:
+        if stopped:
+            p.send_signal(18)
+        _end(p)
+        e.finalize()
