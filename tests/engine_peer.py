@@ -40,7 +40,8 @@ def main() -> None:
     if rc != hixl.SUCCESS:
         sys.exit("initialize: %s" % e.last_error())
     writing = a.write_to or a.write_loop
-    buf = (np.arange(a.size) % 251).astype(np.uint8) if writing else np.zeros(a.size, np.uint8)
+    # i % 251, tiled from one period: no int64 array of SIZE elements
+    buf = np.resize(np.arange(251, dtype=np.uint8), a.size) if writing else np.zeros(a.size, np.uint8)
     rc, _ = e.register_mem(hixl.MemDesc(buf.ctypes.data, a.size), hixl.MemType.MEM_HOST)
     if rc != hixl.SUCCESS:
         sys.exit("register_mem: %s" % e.last_error())

@@ -83,6 +83,7 @@ wire::Control Engine::hello_frame(wire::FrameType type, const std::shared_ptr<rd
   c.probe_value = probe_cookie_;
   c.extents = registry_.extents();
   c.regions = registry_.regions(&c.version);
+  c.fence_fd = uint32_t(registry_.fence_fd());
   if (ep) c.hello = ep->local_info().hello;  // queue pair only: the regions travel in c.regions
   for (const auto& m : more) {
     const auto h = m->local_info().hello;
@@ -109,7 +110,9 @@ void Engine::make_path(Link& link, const wire::Control& peer) {
     }
     case wire::Transport::kShm: {
       auto p = std::make_shared<transport::ShmPath>(pid_t(peer.pid), link.key);
+      p->set_fence(peer.fence_fd);
       p->set_extents(peer.extents);
+      p->set_regions(peer.regions, peer.version);
       p->set_flag_sender(flag_sender);
       link.shm = p.get();
       link.path = p;

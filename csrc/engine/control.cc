@@ -59,8 +59,11 @@ void Engine::handle_frame(const std::shared_ptr<Link>& link, const wire::Control
     case wire::FrameType::kNotifyAck:
     case wire::FrameType::kAbortAck: link->deliver(c); break;
     case wire::FrameType::kRegions:
+      if (link->shm) {  // the path first: a region the link then offers is one the path can reach
+        link->shm->set_extents(c.extents);
+        link->shm->set_regions(c.regions, c.version);
+      }
       link->set_regions(c.regions, c.version);
-      if (link->shm) link->shm->set_extents(c.extents);
       if (c.seq) link->deliver(c);
       break;
     case wire::FrameType::kRegionsReq: {

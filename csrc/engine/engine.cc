@@ -151,6 +151,7 @@ int Engine::initialize(const std::string& local_engine, const Options& opts) {
     opts_ = opts;
     apply_device_defaults(&opts_, pd && pd->context()->soft_roce());
     pd_ = std::move(pd);
+    registry_.open_fence();
     registry_.set_pd(pd_);
     auto_transport_ = opts.transport == "auto";
     offers_ = 0;

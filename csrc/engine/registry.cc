@@ -6,11 +6,16 @@
 #include "acl/allocator.h"
 #include "engine/internal.h"
 #include "verbs/error.h"
+#include "verbs/log.h"
 
 namespace hixl::engine {
 
 using detail::fail;
 using detail::ok;
+
+namespace {
+constexpr std::chrono::milliseconds kFenceDrain{5000};  // a copy holds a slot for 16 MiB at most
+}  // namespace
 
 std::pair<int, uint64_t> Registry::same_range(uint64_t handle, uint64_t addr, uint64_t len, uint32_t access) const {
   const LocalRegion& r = regions_.at(handle);
@@ -51,13 +56,26 @@ std::pair<int, uint64_t> Registry::add(uint64_t addr, uint64_t len, MemType type
       return {fail(code, e.what()), 0};
     }
   }
-  std::lock_guard<util::Mutex> g(mu_);
-  if (closed_) return {fail(kFailed, "register_mem: the engine was finalized meanwhile"), 0};
+  if (!fence_) return {fail(kFailed, "register_mem: the engine is not initialized"), 0};
+  auto [slot, tag] = fence_->open();  // before mu_: the fence has a lock of its own
+  if (slot == transport::kNoFence)
+    return {fail(kResourceExhausted, CallDesc("register_mem").hex("addr", addr).arg("len", len).str() + ": " +
+                                         std::to_string(transport::kFenceSlots) + " regions are registered"),
+            0};
+  std::unique_lock<util::Mutex> g(mu_);
+  auto refuse = [&](std::pair<int, uint64_t> r) {
+    g.unlock();
+    fence_->close(slot, std::chrono::milliseconds(0));  // never offered to a peer: nothing to wait for
+    return r;
+  };
+  if (closed_) return refuse({fail(kFailed, "register_mem: the engine was finalized meanwhile"), 0});
   auto it = by_range_.find({addr, len});
-  if (it != by_range_.end()) return same_range(it->second, addr, len, access);  // another thread won the race
+  if (it != by_range_.end()) return refuse(same_range(it->second, addr, len, access));  // another thread won
   const uint64_t handle = next_handle_++;
   ++version_;
   LocalRegion lr{addr, len, type, access, mr};
+  lr.fence = slot;
+  lr.tag = tag;
   if (auto info = acl::lookup(reinterpret_cast<const void*>(addr));
       info && info->fd >= 0 && addr + len <= info->base + info->size) {
     lr.fd = info->fd;  // the shim's memfd: same-host peers map it instead of cross-memory attach
@@ -79,6 +97,7 @@ int Registry::remove(uint64_t handle, bool* removed) {
   auto it = regions_.find(handle);
   if (it == regions_.end()) return ok();  // already deregistered: idempotent
   mr = std::move(it->second.mr);
+  const uint32_t fence = it->second.fence;
   ++version_;
   by_range_.erase({it->second.addr, it->second.len});
   table_.erase(handle);  // from here no new request is let in
@@ -97,7 +116,17 @@ int Registry::remove(uint64_t handle, bool* removed) {
   if (!uses_cv_.wait_for(lk, std::chrono::seconds(30), [&] { return std::none_of(uses_.begin(), uses_.end(), holds); }))
     return fail(kFailed, "deregister_mem(handle=" + std::to_string(handle) + "): a tcp request into the region did "
                          "not end within 30 s of being cut; it may still write there");
+  lk.unlock();
+  // Same-host peers: no copy starts after this; one in progress is waited for (memory, not network).
+  if (!fence_->close(fence, kFenceDrain))
+    return fail(kFailed, "deregister_mem(handle=" + std::to_string(handle) + "): a same-host peer's copy into the "
+                         "region did not end within " + std::to_string(kFenceDrain.count()) + " ms (the peer is "
+                         "stopped or died inside it); its bytes may still land there: do not reuse that memory");
   return ok();
+}
+
+void Registry::open_fence() {
+  if (!fence_) fence_ = std::make_unique<transport::FenceOwner>();
 }
 
 bool Registry::begin(Use* use, const transport::Range* ranges, size_t n, bool write) {
@@ -132,7 +161,7 @@ std::vector<wire::Region> Registry::regions(uint64_t* version) const {
   out.reserve(regions_.size());
   for (const auto& [h, r] : regions_) {
     (void)h;
-    out.push_back({r.addr, r.len, r.mr ? r.mr->rkey() : 0, r.access});
+    out.push_back({r.addr, r.len, r.mr ? r.mr->rkey() : 0, r.access, r.fence, r.tag});
   }
   return out;
 }
@@ -186,11 +215,20 @@ size_t Registry::resolve_blocks(const uint64_t* addr, const uint64_t* len, size_
 }
 
 void Registry::close() {
-  std::lock_guard<util::Mutex> g(mu_);
-  closed_ = true;
-  regions_.clear();
-  by_range_.clear();
-  table_.clear();
+  std::vector<uint32_t> slots;
+  {
+    std::lock_guard<util::Mutex> g(mu_);
+    closed_ = true;
+    for (const auto& [h, r] : regions_) slots.push_back(r.fence);
+    regions_.clear();
+    by_range_.clear();
+    table_.clear();
+  }
+  // Same-host peers that have not yet seen the links close: no copy of theirs starts from here on.
+  for (uint32_t slot : slots)
+    if (fence_ && !fence_->close(slot, kFenceDrain))
+      log::warn("finalize: a same-host peer's copy into a registered region did not end within " +
+                std::to_string(kFenceDrain.count()) + " ms (the peer is stopped or died inside it)");
 }
 
 size_t Registry::size() const {

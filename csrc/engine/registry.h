@@ -5,7 +5,9 @@
 // Locks: `mu_` guards everything here and is a leaf (nothing else is taken while it is held). A tcp
 // peer's request holds the regions it touches (transport::ServedMemory) without a lock while its
 // bytes move; remove() cuts such a request and waits only for it to let go, so that once remove()
-// returns nothing of a tcp peer lands in the region any more.
+// returns nothing of a tcp peer lands in the region any more. Same-host peers check the region's fence
+// slot before each copy (transport/shm_fence.h): remove() revokes the slot and waits for their copies
+// in progress, so the same holds for them. (rdma: ibv_dereg_mr is the fence.)
 #pragma once
 
 #include <atomic>
@@ -19,6 +21,7 @@
 #include "engine/region_table.h"
 #include "engine/types.h"
 #include "transport/served_memory.h"
+#include "transport/shm_fence.h"
 #include "util/mutex.h"
 #include "verbs/resources.h"
 #include "wire/control.h"
@@ -30,6 +33,10 @@ class Registry final : public transport::ServedMemory {
   // The protection domain MRs go on (null: no RDMA device; regions then have no MR). Set once, at
   // the engine's initialize(), before any add().
   void set_pd(std::shared_ptr<verbs::ProtectionDomain> pd) { pd_ = std::move(pd); }
+  // The fence same-host peers check before each copy (transport/shm_fence.h). Made once, at the
+  // engine's initialize(), before any add(); throws hixl::Error naming the call that failed.
+  void open_fence();
+  int fence_fd() const { return fence_ ? fence_->fd() : -1; }
 
   // A handle for [addr, addr+len): the same one for the same range with the same access; kParamInvalid
   // for bad arguments or the same range with other access. Status codes as Engine::register_mem.
@@ -58,8 +65,8 @@ class Registry final : public transport::ServedMemory {
   bool begin(Use* use, const transport::Range* ranges, size_t n, bool write) override;
   void end(Use* use) override;
 
-  // The engine finalized (after every queue pair is gone): every registration is dropped and add()
-  // refuses from now on.
+  // The engine finalized (after every queue pair is gone): every registration is dropped (each fence
+  // slot revoked and drained, as remove() does) and add() refuses from now on.
   void close();
   size_t size() const;
 
@@ -71,10 +78,12 @@ class Registry final : public transport::ServedMemory {
     std::shared_ptr<verbs::MemoryRegion> mr;  // null without an RDMA device
     int fd = -1;              // memfd behind it (hixl.acl memory): same-host peers map it
     uint64_t fd_offset = 0;
+    uint32_t fence = transport::kNoFence, tag = 0;  // its slot in fence_ and the slot's tag
   };
   std::pair<int, uint64_t> same_range(uint64_t handle, uint64_t addr, uint64_t len, uint32_t access) const;
 
   std::shared_ptr<verbs::ProtectionDomain> pd_;
+  std::unique_ptr<transport::FenceOwner> fence_;  // set once by open_fence(), kept to the end
   mutable util::Mutex mu_;
   std::map<uint64_t, LocalRegion> regions_;
   std::map<std::pair<uint64_t, uint64_t>, uint64_t> by_range_;

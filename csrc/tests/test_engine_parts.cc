@@ -3,6 +3,7 @@
 // the request tables, the lock of the request path (util::Mutex) and the prepared descriptor lists. Their behaviour through the engine is covered by pytest.
 #include <poll.h>
 #include <sched.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -19,6 +20,7 @@
 #include "engine/link_table.h"
 #include "engine/registry.h"
 #include "engine/requests.h"
+#include "transport/shm_fence.h"
 #include "util/id_slab.h"
 #include "util/mutex.h"
 #include "util/recent_clock.h"
@@ -31,8 +33,40 @@ namespace {
 
 constexpr uint32_t kRW = wire::kRemoteRead | wire::kRemoteWrite;
 
+// The same-host fence: a slot is open with a fresh tag; closing revokes it and waits for copies in
+// progress (a copy that never ends: false after the bound, and the slot is not handed out again).
+void fence() {
+  transport::FenceOwner f;
+  auto [s1, t1] = f.open();
+  auto [s2, t2] = f.open();
+  CHECK(s1 != s2 && t1 != 0 && t2 != 0 && t1 != t2);
+  auto* slots = static_cast<transport::FenceSlot*>(
+      ::mmap(nullptr, transport::kFenceBytes, PROT_READ | PROT_WRITE, MAP_SHARED, f.fd(), 0));  // as a peer maps it
+  CHECK(slots != MAP_FAILED && slots[s1].tag.load() == t1);
+  slots[s1].inflight.fetch_add(1);  // a peer's copy in progress
+  std::thread done([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    slots[s1].inflight.fetch_sub(1);
+  });
+  auto t0 = std::chrono::steady_clock::now();
+  CHECK(f.close(s1, std::chrono::milliseconds(5000)));
+  CHECK(std::chrono::steady_clock::now() - t0 >= std::chrono::milliseconds(40) && slots[s1].tag.load() == 0);
+  done.join();
+  auto [s3, t3] = f.open();  // the drained slot again, with another tag
+  CHECK(s3 == s1 && t3 != t1 && t3 != 0);
+  slots[s2].inflight.fetch_add(1);  // a copy that never ends (its peer died inside it)
+  CHECK(!f.close(s2, std::chrono::milliseconds(20)));
+  auto [s4, t4] = f.open();
+  CHECK(s4 != s2 && t4 != t2);
+  ::munmap(slots, transport::kFenceBytes);
+}
+
 void registry() {
   Registry r;  // no protection domain: regions without MRs (shm/tcp only)
+  bool changed0 = false;
+  CHECK(r.add(0x1000, 16, MemType::kHost, 3, &changed0).first == kFailed && !changed0);  // no fence yet
+  r.open_fence();
+  CHECK(r.fence_fd() >= 0);
   std::vector<uint8_t> a(4096), b(4096);
   const uint64_t pa = uint64_t(a.data()), pb = uint64_t(b.data());
   bool changed = false;
@@ -679,6 +713,7 @@ int main() {
   mutex();
   recent_clock();
   desc_lists();
+  fence();
   registry();
   inbox();
   link_table();

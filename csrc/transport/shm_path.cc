@@ -63,6 +63,71 @@ ShmPath::ShmPath(pid_t peer_pid, std::string peer) : pid_(peer_pid), peer_(std::
 ShmPath::~ShmPath() {
   stop_worker();
   if (pidfd_ >= 0) ::close(pidfd_);
+  if (fence_) ::munmap(fence_, kFenceBytes);
+}
+
+void ShmPath::set_fence(uint32_t fd) {
+  const std::string path = "/proc/" + std::to_string(pid_) + "/fd/" + std::to_string(fd);
+  if (fd == kNoFence) throw Error("shm path to " + peer_ + ": the peer offers no fence for its memory");
+  int f = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+  if (f < 0) {
+    int err = errno;
+    throw Error(CallDesc("open").arg("path", path).str() + ": " + errno_str(err) + " (the peer's fence)", err);
+  }
+  void* p = ::mmap(nullptr, kFenceBytes, PROT_READ | PROT_WRITE, MAP_SHARED, f, 0);
+  int err = errno;
+  ::close(f);
+  if (p == MAP_FAILED)
+    throw Error(CallDesc("mmap").arg("path", path).arg("len", kFenceBytes).str() + ": " + errno_str(err), err);
+  if (fence_) ::munmap(fence_, kFenceBytes);
+  fence_ = static_cast<FenceSlot*>(p);
+}
+
+void ShmPath::set_regions(const std::vector<wire::Region>& regions, uint64_t version) {
+  std::vector<wire::Region> v(regions);
+  std::sort(v.begin(), v.end(), [](const wire::Region& a, const wire::Region& b) { return a.addr < b.addr; });
+  std::lock_guard<std::mutex> g(map_mu_);
+  if (version < regions_version_) return;  // an older list overtaken by a newer one
+  regions_version_ = version;
+  regions_.swap(v);
+  hint_ = 0;
+}
+
+bool ShmPath::locate(uint64_t addr, uint64_t len, uint32_t* slot, uint32_t* tag, std::shared_ptr<View>* view,
+                     uint8_t** at) {
+  auto holds = [&](const wire::Region& r) { return len <= r.len && addr >= r.addr && addr - r.addr <= r.len - len; };
+  std::lock_guard<std::mutex> g(map_mu_);
+  const wire::Region* found = hint_ < regions_.size() && holds(regions_[hint_]) ? &regions_[hint_] : nullptr;
+  if (!found) {  // regions may overlap: walk back from the last one starting at or before addr
+    auto it = std::upper_bound(regions_.begin(), regions_.end(), addr,
+                               [](uint64_t a, const wire::Region& r) { return a < r.addr; });
+    while (it != regions_.begin() && !found)
+      if (holds(*--it)) found = &*it;
+    if (!found) return false;
+    hint_ = size_t(found - regions_.data());
+  }
+  *slot = found->fence;
+  *tag = found->tag;
+  *view = mapped_locked(addr, len, at);
+  return true;
+}
+
+bool ShmPath::enter(uint32_t slot, uint32_t tag, std::vector<uint32_t>* held) {
+  if (std::find(held->begin(), held->end(), slot) != held->end()) return true;
+  if (!fence_ || slot >= kFenceSlots) return false;
+  FenceSlot& f = fence_[slot];
+  f.inflight.fetch_add(1, std::memory_order_seq_cst);
+  if (f.tag.load(std::memory_order_seq_cst) != tag) {  // revoked (or the slot serves another region now)
+    f.inflight.fetch_sub(1, std::memory_order_seq_cst);
+    return false;
+  }
+  held->push_back(slot);
+  return true;
+}
+
+void ShmPath::leave_all(std::vector<uint32_t>* held) {
+  for (uint32_t slot : *held) fence_[slot].inflight.fetch_sub(1, std::memory_order_seq_cst);
+  held->clear();
 }
 
 ShmPath::View::~View() {
@@ -93,8 +158,7 @@ void ShmPath::set_extents(const std::vector<wire::Extent>& extents) {
   maps_.swap(next);  // views of extents the peer no longer offers go when their last copy ends
 }
 
-std::shared_ptr<ShmPath::View> ShmPath::mapped(uint64_t addr, uint64_t len, uint8_t** at) {
-  std::lock_guard<std::mutex> g(map_mu_);
+std::shared_ptr<ShmPath::View> ShmPath::mapped_locked(uint64_t addr, uint64_t len, uint8_t** at) {
   auto it = maps_.upper_bound(addr);
   if (it == maps_.begin()) return nullptr;
   --it;
@@ -130,16 +194,26 @@ std::shared_ptr<ShmPath::View> ShmPath::mapped(uint64_t addr, uint64_t len, uint
 }
 
 Result ShmPath::execute(Op op, const std::vector<Desc>& descs, Clock::time_point deadline) {
-  const bool write = op == Op::kWrite;
   struct Iovs {
     std::vector<iovec> l, r;
+    std::vector<uint32_t> held;
   };
   thread_local Iovs t_iovs;  // reused: no allocation per request
   // One look-up of the thread's storage (each use of a thread_local in a shared object is a call).
-  std::vector<iovec>& liov = t_iovs.l;
-  std::vector<iovec>& riov = t_iovs.r;
-  liov.clear();
-  riov.clear();
+  Iovs& t = t_iovs;
+  t.l.clear();
+  t.r.clear();
+  t.held.clear();
+  Result r = copy(op, descs, deadline, &t.l, &t.r, &t.held);
+  leave_all(&t.held);
+  return r;
+}
+
+Result ShmPath::copy(Op op, const std::vector<Desc>& descs, Clock::time_point deadline, std::vector<iovec>* liovp,
+                     std::vector<iovec>* riovp, std::vector<uint32_t>* held) {
+  const bool write = op == Op::kWrite;
+  std::vector<iovec>& liov = *liovp;
+  std::vector<iovec>& riov = *riovp;
   uint64_t batch_bytes = 0;
   bool used_mapping = false;  // a copy into a mapping succeeds even after the peer exited: check then
   auto flush = [&]() -> std::string {
@@ -183,7 +257,12 @@ Result ShmPath::execute(Op op, const std::vector<Desc>& descs, Clock::time_point
       auto* local = reinterpret_cast<uint8_t*>(d.local_addr + off);
       uint64_t remote = d.remote_addr + off;
       uint8_t* m = nullptr;
-      if (auto view = mapped(remote, n, &m)) {
+      uint32_t slot = kNoFence, tag = 0;
+      std::shared_ptr<View> view;
+      if (!locate(remote, n, &slot, &tag, &view, &m) || !enter(slot, tag, held))
+        return {Status::kFailed, CallDesc("shm copy").arg("peer", peer_).hex("remote", remote).arg("len", n).str() +
+                                     ": the peer deregistered that memory (nothing more of this request moved)"};
+      if (view) {
         used_mapping = true;
         if (!liov.empty())
           if (auto err = flush(); !err.empty()) return {Status::kFailed, err};
@@ -199,6 +278,7 @@ Result ShmPath::execute(Op op, const std::vector<Desc>& descs, Clock::time_point
           if (auto err = flush(); !err.empty()) return {Status::kFailed, err};
       }
       off += n;
+      if (n == kChunk && liov.empty()) leave_all(held);  // a deregistration waits for one chunk at most
       if (n == kChunk || batch_bytes == 0)
         if (auto stop = checkpoint()) return *stop;
     }

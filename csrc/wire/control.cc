@@ -93,6 +93,7 @@ std::vector<uint8_t> encode_control(const Control& c) {
       put_extents(w, c.extents);
       detail::write_regions(w, c.regions);
       w.u64(c.link);
+      w.u32(c.fence_fd);
       if (c.more_qps.size() > kMaxMoreQps) throw Error("wire: control: " + std::to_string(c.more_qps.size()) + " further queue pairs (at most " + std::to_string(kMaxMoreQps) + ")");
       w.u32(uint32_t(c.more_qps.size()));
       for (const auto& [qpn, psn] : c.more_qps) {
@@ -156,6 +157,7 @@ Control parse_control(FrameType type, const uint8_t* payload, size_t len) {
       c.extents = get_extents(r);
       c.regions = detail::read_regions(r, "connect regions");
       c.link = r.u64("link");
+      c.fence_fd = r.u32("fence_fd");
       const uint32_t m = r.u32("more_qps");
       if (m > kMaxMoreQps || (m && !c.hello))
         throw Error("wire: control: " + std::to_string(m) + " further queue pairs" +

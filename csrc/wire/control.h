@@ -9,7 +9,8 @@
 //              (transport: what the sender wants / the server chose; offers: bit 1<<t for each it can use;
 //              version: the sender's region registry version; probe: a cookie the peer may read with
 //              process_vm_readv to prove same-host access; link: the initiator's random id for this
-//              link, echoed in the Accept), u32 count, count * {u32 qpn, u32 psn}: the sender's further
+//              link, echoed in the Accept), u32 fence_fd (the sender's fence memfd, transport/shm_fence.h;
+//              same-host peers map it), u32 count, count * {u32 qpn, u32 psn}: the sender's further
 //              queue pairs (a striped rdma link, 0..15 of them, only with a hello; same port, GID and
 //              MTU as hello's; the Accept's count, at most the Connect's, is the link's)
 //   Accept     same as Connect (the server's side; transport = the one chosen)
@@ -71,6 +72,7 @@ struct Control {
   uint64_t probe_addr = 0, probe_value = 0;  // Connect, Accept
   uint32_t direction = 0;               // Attach
   std::vector<Extent> extents;          // Connect, Accept, Regions
+  uint32_t fence_fd = UINT32_MAX;       // Connect, Accept: the sender's fence memfd (same-host peers map it)
   uint64_t instance = 0;                // Connect/Accept/Attach: random per engine object
   uint64_t link = 0;                    // Connect/Accept/Attach: random per link (the initiator's choice)
   uint64_t version = 0;                 // Connect/Accept/Regions: region registry version (newer wins)

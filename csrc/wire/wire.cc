@@ -29,6 +29,8 @@ void write_regions(Writer& w, const std::vector<Region>& regions) {
     w.u64(r.len);
     w.u32(r.rkey);
     w.u32(r.access);
+    w.u32(r.fence);
+    w.u32(r.tag);
   }
 }
 
@@ -47,6 +49,8 @@ std::vector<Region> read_regions(Reader& r, const char* what) {
     g.len = r.u64("region.len");
     g.rkey = r.u32("region.rkey");
     g.access = r.u32("region.access");
+    g.fence = r.u32("region.fence");
+    g.tag = r.u32("region.tag");
     const std::string at = std::string("wire: ") + what + ": region " + std::to_string(i);
     if (g.len == 0) throw Error(at + " has length 0");
     if (g.addr + g.len < g.addr) throw Error(at + " wraps the address space");

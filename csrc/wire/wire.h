@@ -3,7 +3,8 @@
 // Frame  = header (16 bytes, little endian) + payload
 //   u32 magic 'HIXL' (0x4c584948), u16 version, u16 type, u32 payload_len, u32 reserved (0)
 // Hello payload (type 1) = u32 qpn, u32 psn, u16 lid, u8 mtu_bytes_log2, u8 port, u8[16] gid,
-//   u32 flags, u32 region_count, then region_count * {u64 addr, u64 len, u32 rkey, u32 access}
+//   u32 flags, u32 region_count, then region_count * {u64 addr, u64 len, u32 rkey, u32 access,
+//   u32 fence, u32 tag} (fence: the region's slot in its owner's fence, tag: the slot's tag for it)
 // Ready payload (type 2) = empty.   Reject payload (type 3) = UTF-8 reason.
 #pragma once
 
@@ -16,10 +17,12 @@
 namespace hixl::wire {
 
 constexpr uint32_t kMagic = 0x4c584948;  // "HIXL" in little endian
-constexpr uint16_t kVersion = 3;  // 2: Connect/Accept/Attach carry the link id; 3: and further queue pairs
+// 2: Connect/Accept/Attach carry the link id; 3: and further queue pairs; 4: regions carry their fence
+// slot and tag, Connect/Accept the fence's fd
+constexpr uint16_t kVersion = 4;
 constexpr size_t kHeaderSize = 16;
-constexpr uint32_t kMaxPayload = 1u << 20;  // 1 MiB: ~43k regions; anything bigger is hostile
-constexpr size_t kRegionSize = 24;
+constexpr uint32_t kMaxPayload = 1u << 20;  // 1 MiB: ~32k regions; anything bigger is hostile
+constexpr size_t kRegionSize = 32;
 constexpr size_t kHelloFixed = 4 + 4 + 2 + 1 + 1 + 16 + 4 + 4;
 
 // 1-3: endpoint handshake. 4+: engine control channel (wire/control.h).
@@ -40,8 +43,10 @@ struct Region {
   uint64_t len = 0;
   uint32_t rkey = 0;
   uint32_t access = 0;
+  uint32_t fence = UINT32_MAX;  // its slot in the owner's fence (transport/shm_fence.h); none: UINT32_MAX
+  uint32_t tag = 0;             // the slot's tag while the region is registered
   bool operator==(const Region& o) const {
-    return addr == o.addr && len == o.len && rkey == o.rkey && access == o.access;
+    return addr == o.addr && len == o.len && rkey == o.rkey && access == o.access && fence == o.fence && tag == o.tag;
   }
 };
 

@@ -95,10 +95,11 @@ def pstr(s):
 
 def connect_payload(name="127.0.0.1:1", offers=TCP_BIT, boot_id="x" * 36, regions=0, pid=4242):
     """A Connect frame's payload as control.h documents it (no queue pair, no extents, no regions; link id
-    0x11; no further queue pairs)."""
+    0x11; no fence; no further queue pairs)."""
     return (struct.pack("<IIQQ", 0, offers, 0x1234, 1) + pstr(name) + pstr(boot_id) +
             struct.pack("<IQQ", pid, 0, 0) + struct.pack("<I", 0) + struct.pack("<I", 0) +
-            struct.pack("<I", regions) + struct.pack("<Q", 0x11) + struct.pack("<I", 0))
+            struct.pack("<I", regions) + struct.pack("<Q", 0x11) + struct.pack("<I", 0xFFFFFFFF) +
+            struct.pack("<I", 0))
 
 
 def parse_frames(data):

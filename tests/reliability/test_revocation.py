@@ -1,11 +1,17 @@
 """Reliability: deregistration is a fence, and a stalled peer holds nothing of anyone else's.
 
+- A peer process WRITEs into our region in a loop while we call deregister_mem: once it returned, we
+  zero the region and watch it; no byte of the peer's may land afterwards, on any transport and for
+  memory a same-host peer maps (hixl.acl's memfds) or reaches by cross-memory attach (any other). The
+  WRITE in flight fails with FAILED on every transport (rdma: the remote access error; tcp: the request
+  is cut; shm: the peer's copy is refused at the fence).
 - A tcp peer stopped (SIGSTOP) in the middle of a WRITE's payload: a deregister_mem of another region
   returns at once (no lock is held while the payload is awaited), and a deregister_mem of the region it
   writes cuts the request and returns at once too; nothing of it lands after, even once it resumes.
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import subprocess
 import sys
@@ -15,9 +21,9 @@ import time
 import numpy as np
 import pytest
 
-from hixl import SUCCESS, MemDesc, MemType
+from hixl import FAILED, PARAM_INVALID, SUCCESS, MemDesc, MemType, acl
 
-from .helpers import PEER
+from .helpers import PEER, TRANSPORTS
 from .helpers import engine as _engine
 
 QUICK_S = 1.0  # what "at once" means here: the old engine waited for the peer for ever
@@ -55,6 +61,57 @@ def _timed(fn, bound_s):
     t.start()
     t.join(bound_s)
     return (out["v"], out["s"]) if "s" in out else (None, None)
+
+
+def _target_memory(kind, size):
+    """numpy memory (same-host peers reach it by cross-memory attach) or hixl.acl memory (a memfd they
+    map): (a numpy view, a function that frees it)."""
+    if kind == "numpy":
+        buf = np.zeros(size, np.uint8)
+        return buf, lambda: None
+    ret, addr = acl.aclrtMalloc(size, 0)
+    assert ret == 0, ret
+    buf = np.ctypeslib.as_array(ctypes.cast(addr, ctypes.POINTER(ctypes.c_uint8)), shape=(size,))
+    buf[:] = 0
+    return buf, lambda: acl.aclrtFree(addr)
+
+
+@pytest.mark.parametrize("memory", ["numpy", "acl"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_nothing_lands_after_deregister_mem_returns(transport, memory):
+    size, rounds = 1 << 20, 3
+    e = _engine(transport)
+    buf, free = _target_memory(memory, size)
+    try:
+        for _ in range(rounds):
+            rc, handle = e.register_mem(MemDesc(buf.ctypes.data, size), MemType.MEM_HOST)
+            assert rc == SUCCESS, e.last_error()
+            p = _writer(transport, e.local_engine, buf.ctypes.data, size, "--write-loop")
+            try:
+                assert json.loads(p.stdout.readline()) == {"writing": True}
+                time.sleep(0.05)  # well inside the loop: a write is in flight at any moment
+                rc, took = _timed(lambda: e.deregister_mem(handle), 10)
+                assert rc == SUCCESS and took < QUICK_S, (rc, took, e.last_error())
+                buf[:] = 0
+                landed = []
+                t_end = time.monotonic() + 0.3
+                while time.monotonic() < t_end:
+                    nz = np.flatnonzero(buf)
+                    if nz.size:
+                        landed.append(int(nz.size))
+                        buf[:] = 0
+                    time.sleep(0.001)
+                assert not landed, "bytes landed %d times after deregister_mem returned (first: %d bytes)" % (
+                    len(landed), landed[0])
+                # The WRITE in flight when deregister_mem was called fails (FAILED); one the peer starts
+                # after it learned of the deregistration is refused before it leaves (PARAM_INVALID).
+                end = json.loads(p.stdout.readline())
+                assert end["writes"] >= 1 and end["rc"] in (FAILED, PARAM_INVALID), end
+            finally:
+                _end(p)
+    finally:
+        e.finalize()
+        free()
 
 
 def test_a_tcp_peer_stalled_mid_payload_holds_no_other_call():
