@@ -28,18 +28,21 @@ constexpr milliseconds kFrameCompleteBound{2000};
 constexpr size_t kControlReadBytes = 64 * 1024;  // one read per link and round: a flood holds up no one
 }  // namespace
 
+// Queued on each link, never waited for: a peer that stopped reading costs (de)registration nothing;
+// the progress thread closes its link once its queue stalls (close_if_not_reading). A frame sent on
+// the link later (a notify) goes after the queued update, so a peer told of a region knows it.
 void Engine::push_regions() {
   std::vector<std::shared_ptr<Link>> links = links_.all();
   if (links.empty()) return;
-  std::lock_guard<std::mutex> g(push_mu_);  // the snapshot below is at least as new as any sent before
+  std::lock_guard<std::mutex> g(push_mu_);  // the snapshot below is queued after any queued before
   wire::Control c;
   c.type = wire::FrameType::kRegions;
   c.regions = registry_.regions(&c.version);
   c.extents = registry_.extents();
   for (auto& l : links) {
     try {
-      l->send(c, Clock::now() + milliseconds(1000));
-    } catch (const std::exception& e) {
+      l->post(c);
+    } catch (const std::exception& e) {  // a frame over the wire's limit (tens of thousands of regions)
       log::warn("region update to " + l->key + " failed: " + e.what());
     }
   }

@@ -23,7 +23,8 @@
 // Lock order: a thread holding a lock on the left may take the one on its right, never the reverse;
 // the locks not listed on a left side are leaves (nothing else is taken while they are held).
 //   Engine::mu_        -> LinkTable::mu_, Handshakes::mu_ (finalize closes both with the state)
-//   Engine::push_mu_   -> Registry::mu_, Link::send_mu (the links the regions are pushed to)
+//   Engine::push_mu_   -> Registry::mu_, Link::out_mu and send_mu (only tried) of the links the
+//                         regions are queued on
 //   Requests::mu_      -> Link::mu (and the data path's own lock: status, wait_done(0))
 //   DescList::mu of a local list -> DescList::mu of a remote list -> Registry::mu_, Link::mu
 //                         (a prepared transfer re-resolving its lists)

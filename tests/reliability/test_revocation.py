@@ -23,7 +23,7 @@ import pytest
 
 from hixl import FAILED, PARAM_INVALID, SUCCESS, MemDesc, MemType, acl
 
-from .helpers import PEER, TRANSPORTS
+from .helpers import PEER, TRANSPORTS, Peer
 from .helpers import engine as _engine
 
 QUICK_S = 1.0  # what "at once" means here: the old engine waited for the peer for ever
@@ -151,4 +151,31 @@ def test_a_tcp_peer_stalled_mid_payload_holds_no_other_call():
         if stopped:
             p.send_signal(18)
         _end(p)
+        e.finalize()
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_peer_that_stops_reading_costs_registration_nothing(transport):
+    """Each (de)registration sends every linked peer the new region list. A peer stopped (SIGSTOP) reads
+    none of them: once its socket is full, the old engine waited up to 1 s in that call (holding the
+    lock every other registration needs). Now the update is queued, each call returns at once, and the
+    progress thread closes the stalled link after its bound."""
+    e = _engine(transport)
+    peer = Peer(transport, 4096)
+    bufs = [np.zeros(4096, np.uint8) for _ in range(200)]  # a region list of ~6 KiB per update
+    try:
+        assert e.connect(peer.name, 5000) == SUCCESS, e.last_error()
+        for b in bufs:
+            assert e.register_mem(MemDesc(b.ctypes.data, b.size), MemType.MEM_HOST)[0] == SUCCESS
+        peer.stop()
+        spare = np.zeros(4096, np.uint8)
+        slowest = 0.0
+        for _ in range(400):  # ~5 MiB of updates: well past the socket's buffers
+            t0 = time.monotonic()
+            rc, h = e.register_mem(MemDesc(spare.ctypes.data, spare.size), MemType.MEM_HOST)
+            assert rc == SUCCESS and e.deregister_mem(h) == SUCCESS, e.last_error()
+            slowest = max(slowest, time.monotonic() - t0)
+        assert slowest < 0.5, "a (de)registration waited %.2f s for a peer that stopped reading" % slowest
+    finally:
+        peer.close()
         e.finalize()
