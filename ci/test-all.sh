@@ -8,7 +8,8 @@
 # Fails when a tier skipped or ran fewer tests than it should, and when the whole run passes its budget
 # (HIXL_CI_BUDGET_S, default 3600 s, well inside CI's 5400 s limit). Prints, last, the seconds per step.
 # HIXL_SKIP_DEPS=1 skips the apt/pip step; HIXL_SKIP_BENCH=1 the benchmark smoke runs; HIXL_VLLM_VENV
-# picks the vLLM environment (default ~/.cache/hixl/vllm-venv: made once, then only checked).
+# picks the vLLM environment (default ~/.cache/hixl/vllm-venv: made once, then only checked);
+# HIXL_TWOHOST_MARK=twohost also runs tier 4's comparisons of other rdma settings (marker compare).
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)"
 cd "$REPO"
@@ -22,6 +23,8 @@ PY="$(python3 -c 'import sys; print(sys.executable)')"
 CACHE="${XDG_CACHE_HOME:-$HOME/.cache}/hixl"
 VLLM_VENV="${HIXL_VLLM_VENV:-$CACHE/vllm-venv}"
 BENCH=$([ "${HIXL_SKIP_BENCH:-0}" = 1 ] && echo 0 || echo 1)
+# Tier 4's comparisons of other rdma settings (marker compare) are for the record, not checks: out of CI.
+TWOHOST_MARK="${HIXL_TWOHOST_MARK:-twohost and not compare}"
 
 deps() { bash ci/install-deps.sh; }
 
@@ -103,10 +106,10 @@ two_host() {
     local rc=0
     TV_DIR="$ART/twohost" TV_REPO="$REPO" TV_TIMEOUT="${HIXL_TWOHOST_TIMEOUT:-2400}" TV_VERBOSE= \
         PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 TV_CMD_A="$PY -m tests.twohost.peer" \
-        TV_CMD_B="$PY -m pytest -p no:cacheprovider -q -rA -m twohost --junitxml=\$TV_ST/twohost-junit.xml tests/twohost" \
+        TV_CMD_B="$PY -m pytest -p no:cacheprovider -q -rA -m '$TWOHOST_MARK' --junitxml=\$TV_ST/twohost-junit.xml tests/twohost" \
         bash ci/two-vm/two-vm.sh || rc=$?
     cat "$ART/twohost/state/latest/faults.txt" 2>/dev/null || true
-    "$PY" ci/check_junit.py "$ART/twohost/state/latest/twohost-junit.xml" --min-tests 128 \
+    "$PY" ci/check_junit.py "$ART/twohost/state/latest/twohost-junit.xml" --min-tests 118 \
         --require tests.twohost.test_faults --require tests.twohost.test_engine_suite \
         || { log "FAIL: the two-host tier did not really pass"; return 1; }
     [ "$rc" -eq 0 ] || { log "FAIL: the two-host run exited $rc"; return "$rc"; }

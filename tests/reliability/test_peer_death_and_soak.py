@@ -132,7 +132,14 @@ def test_an_abandoned_async_request_ends_when_its_peer_dies(transport):
         b.finalize()
 
 
+# rdma runs in the CI's TCG guest, where a registration (ibv_reg_mr in an emulated kernel) and a
+# transfer cost about 40x what they do on the host: a quarter of the cycles there still shows a leak of
+# ~700 B per cycle against the 16 MiB bound, and any fd.
+SOAK = {"rdma": 25000}
+
+
 def test_soak_register_deregister_100k_cycles_flat_rss_and_fds(transport):
+    total = SOAK.get(transport, 100000)
     a, b = _engine(transport), _engine(transport)
     try:
         bufs = [np.zeros(4096 * (1 + i % 4), np.uint8) for i in range(8)]
@@ -145,10 +152,11 @@ def test_soak_register_deregister_100k_cycles_flat_rss_and_fds(transport):
                 assert a.deregister_mem(h) == SUCCESS, a.last_error()
         cycles(5000)  # warm up: allocator arenas, maps, first registrations
         rss0, fds0 = _rss(), _fds()
-        cycles(95000)
+        cycles(total - 5000)
         grew = _rss() - rss0
         assert _fds() == fds0, (fds0, _fds())
-        assert grew < 16 << 20, "RSS grew by %.1f MiB over 95k register/deregister cycles" % (grew / 2 ** 20)
+        assert grew < 16 << 20, "RSS grew by %.1f MiB over %d register/deregister cycles" % (grew / 2 ** 20,
+                                                                                          total - 5000)
         # the link still works and sees the final (empty + one) region list
         dst = np.zeros(4096, np.uint8)
         src = np.full(4096, 3, np.uint8)
@@ -179,7 +187,7 @@ def _linked(transport, nbytes):
 
 
 def test_soak_100k_transfers_flat_rss_and_fds_every_byte_checked(transport):
-    n, slot = 100000, 64
+    n, slot = SOAK.get(transport, 100000), 64
     with _linked(transport, 1024 * slot) as (a, b, dst, src):
         name = a.local_engine
 
@@ -197,7 +205,7 @@ def test_soak_100k_transfers_flat_rss_and_fds_every_byte_checked(transport):
         grew = _rss() - rss0
         np.testing.assert_array_equal(dst, src)
         assert _fds() == fds0, (fds0, _fds())
-        assert grew < 16 << 20, "RSS grew by %.1f MiB over 95k transfers" % (grew / 2 ** 20)
+        assert grew < 16 << 20, "RSS grew by %.1f MiB over %d transfers" % (grew / 2 ** 20, n - 5000)
 
 
 def test_eight_threads_share_one_engine(transport):

@@ -211,6 +211,7 @@ def test_under_each_fault_every_transfer_completes_verified_or_fails_in_time(sid
     _under_fault(sides[transport], transport, fault)
 
 
+@pytest.mark.compare
 @pytest.mark.parametrize("side", list(OTHER_RDMA))
 @pytest.mark.parametrize("fault", ["clean", "loss 1%"])
 def test_the_other_rdma_settings_under_loss_for_comparison(sides, side, fault):
