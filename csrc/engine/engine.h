@@ -31,7 +31,11 @@
 //   Link::send_mu of a link being published -> LinkTable::mu_, Link::mu of the link it replaces
 //                         (held across add_link(), so that the link's first frame is our READY)
 //   Link::send_mu      -> Link::out_mu (its queue of replies: written in order by whoever holds send_mu)
-// No lock is held across a network wait, except send_mu for one frame (bounded by its deadline).
+// No engine-wide lock is held across a network wait. Per link, some are, each bounded and costing only
+// calls to that peer: send_mu for one frame (5 s at most; a sender waits for it without a deadline),
+// a data path's run lock across a tcp request's socket waits and a shm/tcp flag's send, a link being
+// published holds its send_mu while the link it replaces closes, and rdma's flag lock across a wait for
+// send-queue room.
 // The locks on the request path (Registry::mu_, LinkTable::mu_, Link::mu, Requests::mu_ and the rdma
 // endpoint's send-side lock) are util::Mutex (util/mutex.h), the others std::mutex. A thread's repeated
 // lookup of one peer's link takes no lock (LinkTable::find with the thread's LinkLookup).
