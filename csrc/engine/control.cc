@@ -39,13 +39,14 @@ void Engine::push_regions() {
   c.type = wire::FrameType::kRegions;
   c.regions = registry_.regions(&c.version);
   c.extents = registry_.extents();
-  for (auto& l : links) {
-    try {
-      l->post(c);
-    } catch (const std::exception& e) {  // a frame over the wire's limit (tens of thousands of regions)
-      log::warn("region update to " + l->key + " failed: " + e.what());
-    }
+  std::vector<uint8_t> bytes;
+  try {
+    bytes = wire::encode_control(c);
+  } catch (const std::exception& e) {  // a frame over the wire's limit (tens of thousands of regions)
+    log::warn(std::string("region update not sent: ") + e.what());
+    return;
   }
+  for (auto& l : links) l->post(bytes);
 }
 
 void Engine::handle_frame(const std::shared_ptr<Link>& link, const wire::Control& c) {

@@ -144,8 +144,9 @@ class Link {
   }
   // The progress thread's replies and the watchdog's pings: queued, never waited for (see the top
   // of this file).
-  void post(const wire::Control& c) {
-    auto bytes = wire::encode_control(c);
+  void post(const wire::Control& c) { post(wire::encode_control(c)); }
+  // A frame already encoded (the same one for several links is encoded once).
+  void post(std::vector<uint8_t> bytes) {
     {
       std::lock_guard<std::mutex> g(out_mu);
       if (outq.empty()) out_progress = Clock::now();

@@ -75,14 +75,19 @@ def recv_exact(s, n):
 
 
 class Peer:
-    """tests/engine_peer.py in its own process, serving SIZE bytes (on `port`, else a free one).
-    stop() / cont(): SIGSTOP / SIGCONT; close(): it finalizes and exits; kill(): SIGKILL."""
+    """tests/engine_peer.py in its own process, serving SIZE bytes (on `port`, else a free one), or
+    doing what `mode` says (e.g. ["--write-loop", NAME, ADDR]; then no announcement is read: line() reads
+    its JSON lines). stop() / cont(): SIGSTOP / SIGCONT; close(): it finalizes and exits; kill(): SIGKILL."""
 
-    def __init__(self, transport, size, port=None):
+    def __init__(self, transport, size, port=None, mode=()):
         args = [sys.executable, str(PEER), transport, str(size)] + (["--port", str(port)] if port else [])
-        self.p = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self.info = json.loads(self.p.stdout.readline())
-        self.name = self.info["name"]
+        self.p = subprocess.Popen(args + list(mode), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.info = {} if mode else self.line()
+        self.name = self.info.get("name")
+
+    def line(self):
+        """The peer's next JSON line."""
+        return json.loads(self.p.stdout.readline())
 
     def stop(self):
         os.kill(self.p.pid, signal.SIGSTOP)

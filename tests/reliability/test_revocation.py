@@ -12,9 +12,6 @@
 from __future__ import annotations
 
 import ctypes
-import json
-import subprocess
-import sys
 import threading
 import time
 
@@ -23,29 +20,10 @@ import pytest
 
 from hixl import FAILED, PARAM_INVALID, SUCCESS, MemDesc, MemType, acl
 
-from .helpers import PEER, TRANSPORTS, Peer
+from .helpers import TRANSPORTS, Peer
 from .helpers import engine as _engine
 
 QUICK_S = 1.0  # what "at once" means here: the old engine waited for the peer for ever
-
-
-def _writer(transport, name, addr, size, mode):
-    p = subprocess.Popen([sys.executable, str(PEER), transport, str(size), mode, name, str(addr)],
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    return p
-
-
-def _end(p):
-    try:
-        p.stdin.close()  # the peer finalizes and exits
-    except BrokenPipeError:
-        pass
-    try:
-        p.wait(30)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        p.wait(30)
-    p.stdout.close()
 
 
 def _timed(fn, bound_s):
@@ -86,9 +64,9 @@ def test_nothing_lands_after_deregister_mem_returns(transport, memory):
         for _ in range(rounds):
             rc, handle = e.register_mem(MemDesc(buf.ctypes.data, size), MemType.MEM_HOST)
             assert rc == SUCCESS, e.last_error()
-            p = _writer(transport, e.local_engine, buf.ctypes.data, size, "--write-loop")
+            p = Peer(transport, size, mode=["--write-loop", e.local_engine, str(buf.ctypes.data)])
             try:
-                assert json.loads(p.stdout.readline()) == {"writing": True}
+                assert p.line() == {"writing": True}
                 time.sleep(0.05)  # well inside the loop: a write is in flight at any moment
                 rc, took = _timed(lambda: e.deregister_mem(handle), 10)
                 assert rc == SUCCESS and took < QUICK_S, (rc, took, e.last_error())
@@ -105,10 +83,10 @@ def test_nothing_lands_after_deregister_mem_returns(transport, memory):
                     len(landed), landed[0])
                 # The WRITE in flight when deregister_mem was called fails (FAILED); one the peer starts
                 # after it learned of the deregistration is refused before it leaves (PARAM_INVALID).
-                end = json.loads(p.stdout.readline())
+                end = p.line()
                 assert end["writes"] >= 1 and end["rc"] in (FAILED, PARAM_INVALID), end
             finally:
-                _end(p)
+                p.close()
     finally:
         e.finalize()
         free()
@@ -123,15 +101,13 @@ def test_a_tcp_peer_stalled_mid_payload_holds_no_other_call():
     assert rc == SUCCESS, e.last_error()
     rc, hb = e.register_mem(MemDesc(b.ctypes.data, b.size), MemType.MEM_HOST)
     assert rc == SUCCESS, e.last_error()
-    p = _writer("tcp", e.local_engine, a.ctypes.data, size, "--write-to")
-    stopped = False
+    p = Peer("tcp", size, mode=["--write-to", e.local_engine, str(a.ctypes.data)])
     try:
         deadline = time.monotonic() + 30
         while not a[1]:  # the first payload bytes landed: the peer is inside the WRITE
-            assert time.monotonic() < deadline and p.poll() is None, "the peer's WRITE never started"
+            assert time.monotonic() < deadline and p.p.poll() is None, "the peer's WRITE never started"
             time.sleep(0.0005)
-        p.send_signal(19)  # SIGSTOP: alive, linked, sending nothing more of this frame
-        stopped = True
+        p.stop()  # alive, linked, sending nothing more of this frame
         time.sleep(0.2)  # the socket's queued bytes are drained; our serving thread now waits
         assert not a[-1], "the WRITE finished before the peer stopped: make it bigger"
         rc, took = _timed(lambda: e.deregister_mem(hb), 10)
@@ -141,16 +117,13 @@ def test_a_tcp_peer_stalled_mid_payload_holds_no_other_call():
         assert rc == SUCCESS and took < QUICK_S, "deregister_mem of the region being written took %s s " \
             "(rc %s)" % (took, rc)
         a[:] = 0
-        p.send_signal(18)  # SIGCONT
-        stopped = False
-        end = json.loads(p.stdout.readline())
+        p.cont()
+        end = p.line()
         assert end["rc"] != SUCCESS, end
         time.sleep(0.2)
         assert not np.any(a), "%d bytes landed after deregister_mem returned" % np.count_nonzero(a)
     finally:
-        if stopped:
-            p.send_signal(18)
-        _end(p)
+        p.close()  # SIGCONT first if still stopped
         e.finalize()
 
 
