@@ -59,7 +59,7 @@ void client_handshake(const oob::Socket& s, const std::string& token, oob::Clock
 }
 
 std::string server_handshake(const oob::Socket& s, const std::string& token, const wire::Control& hello,
-                             oob::Clock::time_point deadline) {
+                             oob::Clock::time_point deadline, const std::function<void()>& proved) {
   if (hello.type != wire::FrameType::kAuthHello) return "authentication required";
   if (hello.scheme != kSchemeHmacSha256)
     return "authentication failed: unknown scheme " + std::to_string(hello.scheme);
@@ -73,6 +73,7 @@ std::string server_handshake(const oob::Socket& s, const std::string& token, con
   Digest want = proof(token, false, hello.nonce, ch.nonce);
   if (!equal_ct(want.data(), theirs.proof.data(), want.size()))
     return "authentication failed: wrong HixlAuthToken";
+  if (proved) proved();
   wire::Control mine;
   mine.type = wire::FrameType::kAuthProof;
   mine.proof = proof(token, true, hello.nonce, ch.nonce);

@@ -31,6 +31,7 @@
 
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include "auth/sha256.h"
@@ -69,8 +70,10 @@ void client_handshake(const oob::Socket& s, const std::string& token, oob::Clock
 
 // Server side, once the peer's first frame `hello` (an AuthHello) was read. Returns "" when the peer
 // proved it knows `token` (and our proof is sent); otherwise the reason to refuse it with (nothing
-// was sent but our random nonce). Throws hixl::Error on socket errors and timeouts.
+// was sent but our random nonce). `proved`, when given, runs once the peer's proof checked out and
+// before ours is sent, so whatever it records holds by the time the peer reads our proof. Throws
+// hixl::Error on socket errors and timeouts.
 std::string server_handshake(const oob::Socket& s, const std::string& token, const wire::Control& hello,
-                             oob::Clock::time_point deadline);
+                             oob::Clock::time_point deadline, const std::function<void()>& proved = {});
 
 }  // namespace hixl::auth

@@ -622,7 +622,7 @@ bool Engine::read_connect(oob::Socket& s, const std::string& from, uint64_t slot
   bool authenticated = token.empty();
   try {
     if (!token.empty()) {
-      if (!authenticate_peer(s, from, deadline)) return false;
+      if (!authenticate_peer(s, from, slot, deadline)) return false;
       authenticated = true;
       if (!handshakes_.advance(slot, Handshakes::Stage::kSettled)) return refuse_dropped(s, from, deadline);
     }
@@ -657,7 +657,7 @@ bool Engine::read_connect(oob::Socket& s, const std::string& from, uint64_t slot
   return true;
 }
 
-bool Engine::authenticate_peer(oob::Socket& s, const std::string& from, Clock::time_point deadline) {
+bool Engine::authenticate_peer(oob::Socket& s, const std::string& from, uint64_t slot, Clock::time_point deadline) {
   // The first frame must be an AuthHello: anything else is refused by its header alone, and
   // nothing longer than an auth frame is read before the peer proved the token.
   wire::Header h = oob::recv_header(s, deadline);
@@ -668,8 +668,10 @@ bool Engine::authenticate_peer(oob::Socket& s, const std::string& from, Clock::t
     return false;
   }
   auto payload = oob::recv_payload(s, h, deadline, auth::kMaxPreAuthPayload);
+  // The slot is settled before our proof leaves: a peer that read it holds a slot nobody drops.
   std::string why = auth::server_handshake(
-      s, opts_.auth_token, wire::parse_control(h.type, payload.data(), payload.size()), deadline);
+      s, opts_.auth_token, wire::parse_control(h.type, payload.data(), payload.size()), deadline,
+      [&] { handshakes_.advance(slot, Handshakes::Stage::kSettled); });
   if (!why.empty()) {
     metrics_.link_closed(Metrics::Cause::kAuth);
     refuse_peer(s, from, deadline, kFailed, why, true);

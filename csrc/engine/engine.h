@@ -254,7 +254,8 @@ class Engine {
   // slow (*how says so).
   bool proven_dead(const std::shared_ptr<Link>& link, std::chrono::steady_clock::time_point deadline,
                    std::string* how);
-  bool authenticate_peer(oob::Socket& s, const std::string& from, std::chrono::steady_clock::time_point deadline);
+  bool authenticate_peer(oob::Socket& s, const std::string& from, uint64_t slot,
+                         std::chrono::steady_clock::time_point deadline);
   wire::Transport choose_transport(const wire::Control& c, std::string* shm_why) const;
   std::shared_ptr<Link> incoming_link(const wire::Control& c, const std::string& key, wire::Transport chosen);
   void accept_and_publish(const std::shared_ptr<Link>& link, oob::Socket& s, const wire::Control& c,

@@ -3,6 +3,8 @@
 // the token is refused by the client.
 #include <sys/socket.h>
 
+#include <atomic>
+#include <chrono>
 #include <thread>
 
 #include "auth/handshake.h"
@@ -21,16 +23,22 @@ std::pair<oob::Socket, oob::Socket> pair_of_sockets() {
 }
 
 // Runs the client with `ctoken` against a server with `stoken`; returns the server's verdict and
-// the client's error ("" = success).
-std::pair<std::string, std::string> run(const std::string& ctoken, const std::string& stoken) {
+// the client's error ("" = success). *proved_first: whether the server's `proved` hook had run by
+// the time the client held the server's proof (it must have, whenever the client succeeded).
+std::pair<std::string, std::string> run(const std::string& ctoken, const std::string& stoken,
+                                        bool* proved_first = nullptr) {
   auto [c, s] = pair_of_sockets();
   auto deadline = Clock::now() + std::chrono::seconds(5);
   std::string verdict = "(not reached)";
+  std::atomic<bool> proved{false};
   std::thread server([&, s = std::move(s)]() mutable {
     try {
       auto [h, payload] = oob::recv_frame(s, deadline, auth::kMaxPreAuthPayload);
       verdict = auth::server_handshake(s, stoken, wire::parse_control(h.type, payload.data(), payload.size()),
-                                       deadline);
+                                       deadline, [&] {
+                                         std::this_thread::sleep_for(std::chrono::milliseconds(50));
+                                         proved = true;
+                                       });
       if (!verdict.empty()) {
         wire::Control r;
         r.type = wire::FrameType::kRefuse;
@@ -45,6 +53,7 @@ std::pair<std::string, std::string> run(const std::string& ctoken, const std::st
   std::string err;
   try {
     auth::client_handshake(c, ctoken, deadline);
+    if (proved_first) *proved_first = proved.load();
   } catch (const std::exception& e) {
     err = e.what();
   }
@@ -56,9 +65,11 @@ std::pair<std::string, std::string> run(const std::string& ctoken, const std::st
 
 int main() {
   {
-    auto [verdict, err] = run("s3cret", "s3cret");
+    bool proved_first = false;
+    auto [verdict, err] = run("s3cret", "s3cret", &proved_first);
     CHECK_EQ(verdict, "");
     CHECK_EQ(err, "");
+    CHECK(proved_first);  // what the hook records (an engine's settled slot) holds once the client is through
   }
   {
     auto [verdict, err] = run("wrong", "s3cret");
