@@ -70,15 +70,20 @@ uint64_t QueuedPath::submit(Op op, const std::vector<Desc>& descs, milliseconds 
     }
     ++running_;
   }
-  // Here: synchronous (run_mu_ waits for the worker's current job; unflagged jobs queued earlier
-  // may still follow, like requests on independent QPs), or small with nothing ahead of it.
-  Result r;
-  {
-    std::lock_guard<std::mutex> g(run_mu_);
-    r = run(op, descs, flag, deadline);
-  }
-  finish(id, std::move(r));
+  // Here: synchronous (run_mu_ waits for the worker's current job, until our deadline; unflagged
+  // jobs queued earlier may still follow, like requests on independent QPs), or small with nothing
+  // ahead of it.
+  finish(id, run_locked(op, descs, flag, deadline));
   return id;
+}
+
+Result QueuedPath::run_locked(Op op, const std::vector<Desc>& descs, Flag flag, Clock::time_point deadline) {
+  std::unique_lock<std::timed_mutex> g(run_mu_, std::defer_lock);
+  if (deadline == Clock::time_point::max())
+    g.lock();
+  else if (!g.try_lock_until(deadline))
+    return {Status::kTimeout, std::string(name()) + " path: the link's request before this one still ran at the deadline"};
+  return run(op, descs, flag, deadline);
 }
 
 void QueuedPath::worker_loop() {
@@ -92,12 +97,7 @@ void QueuedPath::worker_loop() {
       queue_.pop_front();
       ++running_;
     }
-    Result r;
-    {
-      std::lock_guard<std::mutex> g(run_mu_);
-      r = run(job.op, job.descs, job.flag, job.deadline);
-    }
-    finish(job.id, std::move(r));
+    finish(job.id, run_locked(job.op, job.descs, job.flag, job.deadline));
   }
 }
 
@@ -150,7 +150,7 @@ void QueuedPath::stop_worker() {
 
 void QueuedPath::close() {
   stop_worker();
-  std::lock_guard<std::mutex> run(run_mu_);  // a synchronous execute() in another thread has returned
+  std::lock_guard<std::timed_mutex> run(run_mu_);  // a synchronous execute() in another thread has returned
 }
 
 }  // namespace hixl::transport

@@ -107,7 +107,7 @@ class RdmaPath final : public DataPath {
   int wake_fd_ = -1;
   // Striped links only.
   std::mutex mu_;        // reqs_, next_qp_
-  std::mutex flag_mu_;   // a flagged request's immediates go out on every queue pair in the same order
+  std::timed_mutex flag_mu_;  // a flagged request's immediates go out on every queue pair in the same order
   util::IdSlab<Striped> reqs_;
   size_t next_qp_ = 0;
   std::mutex imm_mu_;    // imm_: immediates per queue pair not yet matched on all of them
@@ -159,11 +159,15 @@ class QueuedPath : public DataPath {
   };
   void worker_loop();
   Result run(Op op, const std::vector<Desc>& descs, Flag flag, Clock::time_point deadline);  // under run_mu_
+  // run() once run_mu_ is ours; kTimeout when the request before it still runs at `deadline`.
+  Result run_locked(Op op, const std::vector<Desc>& descs, Flag flag, Clock::time_point deadline);
   void finish(uint64_t id, Result r);  // records a terminal status, wakes waiters
   FlagSink flag_sender_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
-  std::mutex run_mu_;  // one execute() at a time: requests of a link run in submission order
+  // One execute() at a time: requests of a link run in submission order. Waited for until the
+  // waiter's own deadline (run_locked()), never longer.
+  std::timed_mutex run_mu_;
   std::mutex join_mu_;
   std::atomic<bool> closed_{false};  // set under mu_; closed() reads it without (once per request and chunk)
   int running_ = 0;  // jobs taken off the queue (or run inline) and not yet reported

@@ -181,8 +181,23 @@ uint64_t RdmaPath::submit(Op op, const std::vector<Desc>& d, milliseconds timeou
       }
     }
   }
-  std::unique_lock<std::mutex> fl(flag_mu_, std::defer_lock);
-  if (flag) fl.lock();  // held while this flag goes out on every queue pair
+  // Held while this flag goes out on every queue pair (in the same order on each); waited for until
+  // our own deadline, never longer: an earlier flag still waiting for send-queue room costs this
+  // request its deadline, nothing more.
+  std::unique_lock<std::timed_mutex> fl(flag_mu_, std::defer_lock);
+  if (flag && timeout.count() < 0) {
+    fl.lock();
+  } else if (flag && !fl.try_lock_until(Clock::now() + timeout)) {
+    Striped late;
+    late.status = Status::kTimeout;
+    late.error = "rdma path: an earlier flagged request of this link was still being posted after " +
+                 std::to_string(timeout.count()) + " ms";
+    std::lock_guard<std::mutex> g(mu_);
+    const uint64_t id = reqs_.add(std::move(late));
+    if (!id)
+      throw Error("rdma path: " + std::to_string(reqs_.size()) + " requests not yet collected with status()/wait()", EAGAIN);
+    return id;
+  }
   size_t first;
   uint64_t id;
   {

@@ -178,6 +178,9 @@ Result TcpPath::execute(Op op, const std::vector<Desc>& descs, Clock::time_point
   const int fd = req_.fd();
   const bool write = op == Op::kWrite;
   int err = 0;
+  // A request without a deadline of its own (asynchronous) is cut, as the peer's are on our side,
+  // when the peer takes or sends nothing of a frame for kFrameStall.
+  const auto stall = deadline == Clock::time_point::max() ? kFrameStall : std::chrono::milliseconds(0);
   std::vector<uint8_t> buf;
   std::vector<iovec> iov;
   for (size_t first = 0; first < descs.size(); first += kMaxDescs) {
@@ -200,9 +203,9 @@ Result TcpPath::execute(Op op, const std::vector<Desc>& descs, Clock::time_point
     // stopping_ ends every wait at once on close(): a shut-down socket still yields what the peer
     // keeps sending, so a slow read would otherwise hold close(), and the thread that called it, for
     // as long as the peer sends.
-    Io r = xferv(fd, iov.data(), iov.size(), true, deadline, &stopping_, &err);
+    Io r = xferv(fd, iov.data(), iov.size(), true, deadline, &stopping_, &err, stall);
     uint8_t rep[kReply];
-    if (r == Io::kOk) r = xfer(fd, rep, sizeof rep, false, deadline, &stopping_, &err);
+    if (r == Io::kOk) r = xfer(fd, rep, sizeof rep, false, deadline, &stopping_, &err, stall);
     if (r != Io::kOk)
       return fail(r == Io::kTimeout ? Status::kTimeout : Status::kFailed,
                   std::string(write ? "write" : "read") + " " + io_name(r) + (err ? ": " + errno_str(err) : ""));
@@ -215,7 +218,7 @@ Result TcpPath::execute(Op op, const std::vector<Desc>& descs, Clock::time_point
       iov.clear();
       for (size_t i = 0; i < n; ++i)
         iov.push_back(iovec{reinterpret_cast<void*>(descs[first + i].local_addr), descs[first + i].length});
-      r = xferv(fd, iov.data(), iov.size(), false, deadline, &stopping_, &err);
+      r = xferv(fd, iov.data(), iov.size(), false, deadline, &stopping_, &err, stall);
       if (r != Io::kOk)
         return fail(r == Io::kTimeout ? Status::kTimeout : Status::kFailed,
                     std::string("read payload ") + io_name(r) + (err ? ": " + errno_str(err) : ""));

@@ -4,7 +4,8 @@
 //   - on the "serve" socket a thread of this side reads the peer's requests, checks every range
 //     against our registrations (the same checks as the initiator's), applies writes straight into
 //     registered memory and answers reads from it. Once a request's header arrived, a peer that
-//     sends nothing of it for kFrameStall is cut (the data connection closes).
+//     sends nothing of it for kFrameStall is cut (the data connection closes). So is a peer that
+//     takes or sends nothing of our asynchronous request (no deadline of its own) for as long.
 // Wire, little endian: request = u32 magic 'HXTD', u32 op (1 write, 2 read), u64 seq, u32 ndesc,
 // u32 0, ndesc * {u64 addr, u64 len}, then (write) the payloads back to back. Reply = u32 magic,
 // u32 status (hixl code), u64 seq, then (read, status 0) the payloads.
