@@ -181,9 +181,8 @@ void Engine::remove_link(const std::shared_ptr<Link>& link, const std::string& w
   if (cause != Metrics::Cause::kFinalize && cause != Metrics::Cause::kSuperseded)
     inbox_.push_failure({link->key, -1, "the link to " + link->key + " closed: " + why});
   if (link->path) close_path(link->path, cause);
-  // Queued replies (an AbortAck), as far as the socket takes them; a sender holding the connection
-  // is waited for briefly (a sender's own frame has a deadline; the link is going anyway).
-  link->flush(Clock::now() + milliseconds(100));
+  // Queued frames (an AbortAck), as far as the socket takes them now: nothing waits for the peer here.
+  link->flush();
   link->ctrl.shutdown();
   wake();
   log::info("engine " + name_ + ": link to " + link->key + " closed: " + why);
@@ -728,14 +727,13 @@ void Engine::accept_and_publish(const std::shared_ptr<Link>& link, oob::Socket& 
   }
   if (h.type != wire::FrameType::kReady) throw Error("expected READY, got frame type " + std::to_string(int(h.type)));
   // Published, then confirmed with a READY of ours, so that the client's connect() returns only
-  // once both ends hold the link. send_mu keeps any other frame for this link behind it.
+  // once both ends hold the link. The held queue keeps any other frame for this link behind it.
   // Everything this handshake has to do is done before that READY: add_link() ends our claim on
   // the peer's name, and the link it replaced is retired here, so that a client that disconnects
   // and connects again the moment its connect() returned is neither refused ("a handshake is in
   // progress") nor raced by the old link's teardown.
-  std::unique_lock<std::mutex> first(link->send_mu);
+  link->out.hold();
   if (!add_link(link, std::move(s), c, old)) {
-    first.unlock();
     link->path->close();
     log::info("engine " + name_ + ": dropping the link from " + key + " (finalizing)");
     return;
@@ -743,7 +741,7 @@ void Engine::accept_and_publish(const std::shared_ptr<Link>& link, oob::Socket& 
   *claimed = false;
   if (*old) remove_link(*old, "superseded by a new connection from the same peer", Metrics::Cause::kSuperseded);
   old->reset();
-  oob::send_all(link->ctrl, wire::encode_ready(), deadline);
+  link->out.send_first(wire::encode_ready(), deadline, "the Ready frame to " + key);
 }
 
 int Engine::disconnect(const std::string& remote, int timeout_ms) {

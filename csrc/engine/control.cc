@@ -146,14 +146,8 @@ void Engine::close_if_frame_stuck(const std::shared_ptr<Link>& link, Clock::time
 }
 
 void Engine::close_if_not_reading(const std::shared_ptr<Link>& link, Clock::time_point now) {
-  const size_t queued = link->queued_reply_bytes();
-  if (!queued || link->is_down()) return;
-  const auto idle = std::chrono::duration_cast<milliseconds>(now - link->reply_progress());
-  if (queued <= kMaxQueuedReplyBytes && idle < kReplyStallBound) return;
-  const std::string why = "the peer stopped reading its control connection: " + std::to_string(queued) +
-                          " bytes of our replies queued, none written for " + std::to_string(idle.count()) +
-                          " ms (the bounds: " + std::to_string(kReplyStallBound.count()) + " ms, " +
-                          std::to_string(kMaxQueuedReplyBytes) + " bytes)";
+  std::string why;
+  if (link->is_down() || !link->out.stalled(now, &why)) return;
   log::warn("engine " + name_ + ": link to " + link->key + ": " + why + "; closing it");
   remove_link(link, why, Metrics::Cause::kStalled);
 }
@@ -181,17 +175,17 @@ void Engine::progress_loop() {
     pfds.clear();
     polled.clear();
     pfds.push_back({wake_fd_, POLLIN, 0});
-    // Asleep no longer than until the first incomplete frame's bound, or a reply queue's.
+    // Asleep no longer than until the first incomplete frame's bound, or a frame queue's stall bound.
     auto wait = milliseconds(1000);
     auto wait_until = [&](Clock::time_point t) {
       wait = std::min(wait, std::chrono::ceil<milliseconds>(std::max(t - Clock::now(), Clock::duration::zero())));
     };
     for (auto& l : links_.all()) {
-      // Replies queued (and no sender writing them): wake when the socket takes more.
-      const bool queued = l->queued_reply_bytes() > 0;
-      pfds.push_back({l->ctrl.fd(), short(POLLIN | (queued && !l->writing ? POLLOUT : 0)), 0});
+      // Frames queued: wake when the socket takes more.
+      const bool queued = l->out.wants_room();
+      pfds.push_back({l->ctrl.fd(), short(POLLIN | (queued ? POLLOUT : 0)), 0});
       if (l->rx.pending_bytes()) wait_until(l->rx_since + kFrameCompleteBound);
-      if (queued) wait_until(l->reply_progress() + kReplyStallBound);
+      if (queued) wait_until(l->out.progress() + ControlOut::kStallBound);
       polled.push_back(std::move(l));
     }
     int rc = ::poll(pfds.data(), pfds.size(), int(wait.count()));
@@ -278,7 +272,7 @@ void Engine::heartbeat() {
     wire::Control ping;
     ping.type = wire::FrameType::kPing;
     // Queued like a reply (never waited for): a peer that stopped reading is closed by the
-    // progress thread once nothing queued for it could be written for kReplyStallBound.
+    // progress thread once nothing queued for it could be written for ControlOut::kStallBound.
     link->post(ping);
     link->last_ping = now;
   }

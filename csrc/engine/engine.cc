@@ -234,13 +234,16 @@ void Engine::finalize() {
     acceptor_.join();
   }
   listener_.close();
+  // One bound for all the goodbyes: a peer that does not read costs the others nothing (theirs are
+  // written at once when their sockets take them).
+  const auto bye_until = Clock::now() + milliseconds(200);
   for (auto& [key, link] : links) {
     (void)key;
     try {
       wire::Control bye;
       bye.type = wire::FrameType::kBye;
       bye.text = "engine finalized";
-      link->send(bye, Clock::now() + milliseconds(200));
+      link->send(bye, bye_until);
     } catch (const std::exception&) {
     }
     remove_link(link, "engine finalized", Metrics::Cause::kFinalize);

@@ -6,8 +6,9 @@
 //   Registry (registry.h)        local regions, MRs, memfds, the range table,          mu_ (leaf) (+ uses_cv_)
 //                                the version, the tcp requests being served
 //   LinkTable (link_table.h)     links by peer, handshake claims, closed records       mu_
-//   Link (link.h)                one peer: control connection + reader, data path,    mu (state), send_mu
+//   Link (link.h)                one peer: control connection + reader, data path,    mu (state)
 //                                the peer's regions, replies awaited
+//   ControlOut (control_out.h)   a link's frames out: one queue, written in order     mu_ (leaf)
 //   Handshakes (handshakes.h)    sockets in a handshake, limits on incoming ones       mu_ (leaf)
 //   Requests (requests.h)        async transfers, deadlines, expiry                    mu_ (+ cv_)
 //   Inbox (inbox.h)              notifies, completion flags and their eventfd          notify_mu_, flag_mu_ (leaves)
@@ -23,19 +24,16 @@
 // Lock order: a thread holding a lock on the left may take the one on its right, never the reverse;
 // the locks not listed on a left side are leaves (nothing else is taken while they are held).
 //   Engine::mu_        -> LinkTable::mu_, Handshakes::mu_ (finalize closes both with the state)
-//   Engine::push_mu_   -> Registry::mu_, Link::out_mu and send_mu (only tried) of the links the
-//                         regions are queued on
+//   Engine::push_mu_   -> Registry::mu_, ControlOut::mu_ of the links the regions are queued on
 //   Requests::mu_      -> Link::mu (and the data path's own lock: status, wait_done(0))
 //   DescList::mu of a local list -> DescList::mu of a remote list -> Registry::mu_, Link::mu
 //                         (a prepared transfer re-resolving its lists)
-//   Link::send_mu of a link being published -> LinkTable::mu_, Link::mu of the link it replaces
-//                         (held across add_link(), so that the link's first frame is our READY)
-//   Link::send_mu      -> Link::out_mu (its queue of replies: written in order by whoever holds send_mu)
-// No engine-wide lock is held across a network wait. Per link, some are, each bounded and costing only
-// calls to that peer: send_mu for one frame (5 s at most; a sender waits for it without a deadline),
-// a data path's run lock across a tcp request's socket waits and a shm/tcp flag's send, a link being
-// published holds its send_mu while the link it replaces closes, and rdma's flag lock across a wait for
-// send-queue room.
+// No lock of a part is held across a network wait: a frame to a peer is queued and written without
+// waiting under ControlOut::mu_ (a sender waits for its own frame with no lock held, until its
+// deadline). What stays serialised per link is its data path's stream: a tcp or shm request runs
+// under the path's run lock, and an rdma flag goes out on every queue pair under the path's flag
+// lock; a request waits for either until its own deadline, never longer, and a request's socket
+// waits end at its deadline or at the frame stall bound (transport/tcp_path.h).
 // The locks on the request path (Registry::mu_, LinkTable::mu_, Link::mu, Requests::mu_ and the rdma
 // endpoint's send-side lock) are util::Mutex (util/mutex.h), the others std::mutex. A thread's repeated
 // lookup of one peer's link takes no lock (LinkTable::find with the thread's LinkLookup).
@@ -311,7 +309,7 @@ class Engine {
   void handle_frame(const std::shared_ptr<Link>& link, const wire::Control& c);
   // Closes the link when its incomplete control frame began more than kFrameCompleteBound ago.
   void close_if_frame_stuck(const std::shared_ptr<Link>& link, std::chrono::steady_clock::time_point now);
-  // Closes the link when the peer stopped reading our replies (link.h: kReplyStallBound, kMaxQueuedReplyBytes).
+  // Closes the link when the peer stopped reading our replies (control_out.h: ControlOut::stalled).
   void close_if_not_reading(const std::shared_ptr<Link>& link, std::chrono::steady_clock::time_point now);
   // Every tick: the heartbeat (pings, links gone silent) and the async requests past their deadline.
   void watchdog_loop();

@@ -1,31 +1,26 @@
 // A link: everything this engine holds for one connected peer. It owns its control connection (and
 // the progress thread's incremental reader of it), its data path (rdma queue pair, shm or tcp), the
 // cache of the peer's regions and the replies someone waits for. Its lock `mu` guards the region
-// cache, the replies and `down`; `send_mu` serialises frames on the control connection. `mu` is a
-// leaf; `send_mu` is held while taking another lock only when the link is being published (engine.h
-// has the lock order), and `out_mu` (a leaf: the reply queue) may be taken under it.
+// cache, the replies and `down`. `mu` is a leaf. Frames to the peer go through `out`
+// (control_out.h): one queue, never waited on under a lock.
 //
-// The progress thread never waits on one peer: its replies (acks, pongs, region lists) go to a
-// bounded queue (post()), written when the socket takes them, by whoever holds the connection; a
-// peer that stops reading has its link closed once nothing of its queue could be written for
-// kReplyStallBound, or at once past kMaxQueuedReplyBytes.
+// The progress thread never waits on one peer: its replies (acks, pongs, region lists) are queued
+// (post()) and written when the socket takes them; a peer that stops reading has its link closed
+// once nothing of its queue could be written for ControlOut::kStallBound, or at once past
+// ControlOut::kMaxQueuedBytes.
 #pragma once
 
-#include <sys/socket.h>
-
 #include <atomic>
-#include <cerrno>
 #include <condition_variable>
-#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <set>
 #include <string>
-#include <thread>
 #include <vector>
 
+#include "engine/control_out.h"
 #include "engine/internal.h"
 #include "engine/region_table.h"
 #include "transport/data_path.h"
@@ -44,9 +39,6 @@ namespace hixl::engine {
 
 using detail::Clock;
 using detail::milliseconds;
-
-constexpr milliseconds kReplyStallBound{5000};        // a queued reply not written for this long
-constexpr size_t kMaxQueuedReplyBytes = 64u << 20;    // replies queued for one peer, at most
 
 // A peer's region list as a searchable table (the id of each entry is its position in the list).
 inline std::vector<RegionEntry> to_entries(const std::vector<wire::Region>& regions) {
@@ -76,8 +68,7 @@ class Link {
   transport::ShmPath* shm = nullptr;           // shm only: region extents go here
   transport::TcpPath* tcp = nullptr;           // tcp only: data connections attach here
   oob::Socket ctrl;
-
-  std::mutex send_mu;  // one frame at a time on ctrl (the progress thread is its only reader)
+  ControlOut out{ctrl};  // what we send on ctrl (the progress thread is its only reader)
 
   util::Mutex mu;  // below
   std::condition_variable_any cv;
@@ -134,57 +125,18 @@ class Link {
     return down;
   }
 
-  // A frame that could not be sent whole leaves the stream unusable: shut the socket down so the
-  // progress thread retires the link, and report the failure. Queued replies go first (in order).
+  // Frames to the peer: a caller's, written before send() returns (or an Error: the connection
+  // failed, or the deadline passed, which covers the time behind earlier frames: control_out.h),
+  // and the progress thread's replies and the watchdog's pings, queued and never waited for.
   void send(const wire::Control& c, Clock::time_point deadline) {
-    auto bytes = wire::encode_control(c);
     deadline = std::min(deadline, Clock::now() + milliseconds(5000));  // a peer that stops reading
-    std::lock_guard<std::mutex> g(send_mu);
-    write_locked(bytes, deadline);
+    out.send(wire::encode_control(c), deadline, std::string("a ") + wire::frame_type_name(c.type) + " frame to " + key);
   }
-  // The progress thread's replies and the watchdog's pings: queued, never waited for (see the top
-  // of this file).
   void post(const wire::Control& c) { post(wire::encode_control(c)); }
   // A frame already encoded (the same one for several links is encoded once).
-  void post(std::vector<uint8_t> bytes) {
-    {
-      std::lock_guard<std::mutex> g(out_mu);
-      if (outq.empty()) out_progress = Clock::now();
-      out_bytes += bytes.size();
-      outq.push_back(std::move(bytes));
-    }
-    flush();
-  }
-  // Writes what the socket takes now, unless a sender holds the connection (it writes the queue
-  // first). False when the connection failed (the socket is shut down: the link goes).
-  // `wait_until`: a sender holding the connection (the watchdog posting a ping, a user's notify) is
-  // waited for until then, for a closing link's last reply (an AbortAck): the shutdown right after
-  // would drop what that sender has not written (the peer's abort went unconfirmed: its transfers
-  // ended FAILED instead of TIMEOUT). By default it is left to that sender.
-  bool flush(Clock::time_point wait_until = Clock::time_point::min()) {
-    for (;;) {
-      {
-        std::unique_lock<std::mutex> g(send_mu, std::try_to_lock);
-        if (g.owns_lock()) {
-          std::lock_guard<std::mutex> q(out_mu);
-          return drain_nonblocking_locked();
-        }
-      }
-      if (Clock::now() >= wait_until) return true;
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    }
-  }
-  // Bytes of replies queued and not written, and since when none could be written (the progress
-  // thread closes a link stalled past kReplyStallBound); `writing`: a sender holds the connection.
-  size_t queued_reply_bytes() {
-    std::lock_guard<std::mutex> q(out_mu);
-    return out_bytes;
-  }
-  Clock::time_point reply_progress() {
-    std::lock_guard<std::mutex> q(out_mu);
-    return out_progress;
-  }
-  std::atomic<bool> writing{false};
+  void post(std::vector<uint8_t> bytes) { out.post(std::move(bytes)); }
+  // Writes what the socket takes now. False when the connection failed (the link goes).
+  bool flush() { return out.flush(); }
 
   // A new sequence number whose reply wait_reply() will collect.
   uint64_t expect() {
@@ -225,62 +177,6 @@ class Link {
     remote.assign(to_entries(regions));
   }
 
- private:
-  // send_mu held: the queued replies (blocking, each frame whole), `bytes`, then what was queued
-  // meanwhile (non-blocking). Throws (after shutting the socket down) when a frame cannot be sent.
-  void write_locked(const std::vector<uint8_t>& bytes, Clock::time_point deadline) {
-    writing = true;
-    try {
-      for (;;) {
-        std::vector<uint8_t> rest;
-        {
-          std::lock_guard<std::mutex> q(out_mu);
-          if (outq.empty()) break;
-          rest.assign(outq.front().begin() + std::ptrdiff_t(out_off), outq.front().end());
-          out_bytes -= rest.size();
-          out_off = 0;
-          outq.pop_front();
-          out_progress = Clock::now();
-        }
-        oob::send_all(ctrl, rest, deadline);
-      }
-      oob::send_all(ctrl, bytes, deadline);
-    } catch (...) {
-      writing = false;
-      ctrl.shutdown();
-      throw;
-    }
-    writing = false;
-    std::lock_guard<std::mutex> q(out_mu);
-    drain_nonblocking_locked();
-  }
-  // send_mu and out_mu held: what the socket takes without waiting. False on a failed connection.
-  bool drain_nonblocking_locked() {
-    while (!outq.empty()) {
-      const std::vector<uint8_t>& f = outq.front();
-      ssize_t n = ::send(ctrl.fd(), f.data() + out_off, f.size() - out_off, MSG_NOSIGNAL | MSG_DONTWAIT);
-      if (n < 0 && errno == EINTR) continue;
-      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;
-      if (n <= 0) {
-        ctrl.shutdown();
-        return false;
-      }
-      out_progress = Clock::now();
-      out_off += size_t(n);
-      out_bytes -= size_t(n);
-      if (out_off == f.size()) {
-        outq.pop_front();
-        out_off = 0;
-      }
-    }
-    return true;
-  }
-
-  std::mutex out_mu;  // below (a leaf; taken under send_mu by writers)
-  std::deque<std::vector<uint8_t>> outq;
-  size_t out_off = 0;    // bytes of outq.front() already written
-  size_t out_bytes = 0;  // queued, not yet written
-  Clock::time_point out_progress{};  // when the queue last became non-empty or last moved
 };
 
 }  // namespace hixl::engine

@@ -5,7 +5,7 @@
 // It also counts the links peers opened from each source address (kMaxLinksPerHost).
 //
 // Lock: `mu_`, guarding everything here; nothing else is taken while it is held (a link's own locks
-// neither: the handshake publishing a link holds that link's send_mu while it takes this one).
+// neither).
 // find() answers a thread's repeated lookup of one peer without it: `gen_` counts the changes of
 // `links_` (bumped under mu_), and the caller's last answer (a LinkLookup, kept per thread in
 // engine/thread_state.h) stands while gen_ has not moved.

@@ -3,8 +3,8 @@
 The engine's one progress thread answers every link's frames (notify acks, pongs, region lists). Its
 replies go to a bounded per-link queue, written when the socket takes them: a peer that asks and
 never reads fills only its own queue. The other links' frames go on at once, and the silent reader's
-link is closed once none of its queue could be written for 5 s (link.h: kReplyStallBound), naming
-the cause; the old engine blocked the progress thread up to 1 s per reply, holding up every link.
+link is closed once none of its queue could be written for 5 s (ControlOut::kStallBound in
+control_out.h), naming the cause; the old engine blocked the progress thread up to 1 s per reply, holding up every link.
 
 As in test_half_frame.py, the peer is a real engine behind a relay: once the link is up, the relay
 stops reading what the engine sends on that control connection and writes many region-list requests
@@ -19,7 +19,7 @@ import time
 import numpy as np
 import pytest
 
-from hixl import SUCCESS, MemDesc, NotifyDesc
+from hixl import SUCCESS, TIMEOUT, MemDesc, NotifyDesc
 from hixl import _core
 
 from .helpers import HDR, LOGS_WARN, MAGIC, TRANSPORTS, HalfFrameRelay
@@ -120,4 +120,48 @@ def test_a_peer_that_stops_reading_holds_up_no_other_link_and_its_link_is_closed
         relay.stalled.clear()
         relay.close()
         for e in (b, c, a):
+            e.finalize()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_notify_to_a_peer_that_stops_reading_ends_at_its_own_deadline(transport):
+    """Frames to a peer are queued, never written under a lock: a notify stuck behind the replies the
+    silent reader did not read, and a second notify behind it, each end at their own deadline (the
+    old engine held the connection for the first sender's frame: the second waited for its 3 s)."""
+    a, b = _engine(transport), _engine(transport)
+    relay = StallRelay(int(a.local_engine.rsplit(":", 1)[1]))
+    buf = np.zeros(N_REGIONS * 4096, np.uint8)
+    try:
+        for i in range(N_REGIONS):
+            assert a.register_mem(MemDesc(buf.ctypes.data + 4096 * i, 4096))[0] == SUCCESS, a.last_error()
+        via = "127.0.0.1:%d" % relay.port
+        assert b.connect(via, 20000) == SUCCESS, b.last_error()
+        _until(lambda: _linked(a, b.local_engine), 10, "a's end of the link to b")
+        assert a.send_notify(b.local_engine, NotifyDesc("before", "x"), 10000) == SUCCESS, a.last_error()
+
+        relay.stalled.set()
+        relay.inject(b"".join(_regions_req(1000 + i) for i in range(N_REQUESTS)))
+        time.sleep(0.5)  # a's replies fill the sockets, then its queue
+        first = {}
+
+        def slow_notify():
+            t0 = time.monotonic()
+            first["rc"] = a.send_notify(b.local_engine, NotifyDesc("first", "m" * 1000), 3000)
+            first["took"] = time.monotonic() - t0
+
+        t = threading.Thread(target=slow_notify)
+        t.start()
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        rc = a.send_notify(b.local_engine, NotifyDesc("second", "m"), 300)
+        took = time.monotonic() - t0
+        t.join()
+        assert rc == TIMEOUT, a.last_error()
+        assert took < 1.0, "a 300 ms notify took %.2f s behind another sender's frame" % took
+        assert first["rc"] == TIMEOUT and 2.9 < first["took"] < 4.0, first
+        assert _linked(a, b.local_engine)  # nothing of either was sent: the stream is whole
+    finally:
+        relay.stalled.clear()
+        relay.close()
+        for e in (b, a):
             e.finalize()
