@@ -1,4 +1,4 @@
-"""Descriptors without a Python object each (issue 17): numpy descriptor arrays and prepared lists.
+"""Descriptors without a Python object each: numpy descriptor arrays and prepared lists.
 
 Every test runs once per transport (rdma in the CI VM, shm and tcp on the host), between two
 engines of this process; every transfer is checked byte for byte, and every refusal leaves the

@@ -296,7 +296,7 @@ def test_a_grant_with_a_foreign_layout_or_bad_memory_is_refused(pair):
 
 
 def _reference_block_descs(layout, local, local_blocks, remote, remote_blocks, layers, n_tokens, js=None):
-    """The descriptor builder as it was written per descriptor in Python (before issue 17)."""
+    """The descriptor builder as it was written per descriptor in Python (as it once was)."""
     nb = layout.blocks_for(n_tokens)
     js = range(nb) if js is None else sorted(set(js))
     short = local.token_major and remote.token_major

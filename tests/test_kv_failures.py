@@ -1,4 +1,4 @@
-"""Failures reach the decoder at once (issue 18): a prefill whose push fails tells the decoder
+"""Failures reach the decoder at once: a prefill whose push fails tells the decoder
 (``Hixl.fail_flag``), and a link that closes ends every flag still expected over it; the decoder's
 ``KVReceiver.wait`` then raises ``TransferFailed`` with the prefill's reason within 100 ms, instead
 of waiting for its own timeout. rdma (in the CI VM), shm and tcp.

@@ -1,4 +1,4 @@
-"""Metrics an operator can scrape (issue 18): ``Hixl.metrics()`` and ``/metrics`` (HixlMetricsPort).
+"""Metrics an operator can scrape: ``Hixl.metrics()`` and ``/metrics`` (HixlMetricsPort).
 
 Each test runs once per transport (rdma in the CI VM, shm and tcp on the host) between two engines
 of this process. What the engine counts is checked against what the test did, and what ``/metrics``

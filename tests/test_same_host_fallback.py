@@ -1,4 +1,4 @@
-"""Same-host transport where the kernel forbids cross-memory attach (issue 4).
+"""Same-host transport where the kernel forbids cross-memory attach.
 
 The peer process installs a seccomp filter that makes process_vm_readv/writev fail with EPERM (what
 Docker's default profile does without CAP_SYS_PTRACE, and Yama's ptrace_scope between siblings).

@@ -1,4 +1,4 @@
-"""The rdma defaults follow the device (issue 18): on Soft-RoCE (rxe, vendor id 0xffffff) a link has 8 queue
+"""The rdma defaults follow the device: on Soft-RoCE (rxe, vendor id 0xffffff) a link has 8 queue
 pairs unless told otherwise, on hardware 1; the ACK timeout is 14 (67 ms) on both; work requests carry at
 most 16 KiB on Soft-RoCE (more when a queue pair's share of a request would take more than 16 of them and
 the queue pair has no send window), 4 MiB on hardware; a 64 KiB send window per queue pair on Soft-RoCE

@@ -1,4 +1,4 @@
-"""Reliability: a linked peer that stops reading its control connection (issue 18).
+"""Reliability: a linked peer that stops reading its control connection.
 
 The engine's one progress thread answers every link's frames (notify acks, pongs, region lists). Its
 replies go to a bounded per-link queue, written when the socket takes them: a peer that asks and

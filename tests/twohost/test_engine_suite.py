@@ -1,4 +1,4 @@
-"""The two-engine suite (tests/test_hixl_engine.py) once across the link, on rdma and tcp (issue 18's smoke test).
+"""The two-engine suite (tests/test_hixl_engine.py) once across the link, on rdma and tcp (a smoke test).
 
 Guest B runs every test of the suite here with engine `a` and its buffers on guest A (served by
 tests/twohost/peer.py through tests/twohost/remote.py) and engine `b` on B's own address: every

@@ -1,4 +1,4 @@
-"""Faults on a real link (issue 18): guest B of ci/two-vm against guest A's engines (tests/twohost/peer.py).
+"""Faults on a real link: guest B of ci/two-vm against guest A's engines (tests/twohost/peer.py).
 
 Every packet between the two crosses a QEMU network link, where ``tc netem`` (on B's NIC: B's egress,
 which carries WRITE data and READ requests) and ``ip link`` inject faults, on rdma (each guest has
