@@ -32,7 +32,7 @@ if [ -n "${HIXL_VLLM_VENV:-}" ]; then
     # vLLM itself is far too slow under TCG (importing it alone takes minutes): the connector's worker
     # sides run here over rdma without a vLLM server (tests/vllm_tier/test_connector_units.py).
     log "vLLM tier over rdma: the connector's parts on rxe0 ($HIXL_VLLM_VENV), beside the bench smoke runs"
-    "$HIXL_VLLM_VENV/bin/python" -m pytest -p no:cacheprovider -q -rA -m "vllm and rdma" \
+    "$HIXL_VLLM_VENV/bin/python" -m pytest -p no:cacheprovider -q -rA --durations=10 -m "vllm and rdma" \
         --junitxml="$ART/vllm-rdma-junit.xml" tests/vllm_tier/test_connector_units.py > "$ART/vllm-rdma.log" 2>&1 &
     vllm_pid=$!
 fi
