@@ -67,16 +67,16 @@ void a_stalled_peer_costs_a_sender_its_deadline_only() {
   std::atomic<bool> sending{true};
   std::thread sender([&] {
     auto t0 = Clock::now();
-    CHECK_THROWS_WITH(out.send(frame(8, 100), Clock::now() + milliseconds(300), "a Notify frame"),
+    CHECK_THROWS_WITH(out.send(frame(8, 100), Clock::now() + milliseconds(1500), "a Notify frame"),
                       "timed out behind");
     const double took = ms_since(t0);
-    CHECK(took >= 290 && took < 2000);
+    CHECK(took >= 1490 && took < 5000);
     sending = false;
   });
   std::this_thread::sleep_for(milliseconds(50));
   auto t0 = Clock::now();
   for (int i = 0; i < 100; ++i) CHECK(out.post(frame(9, 10)));  // never waits, while the sender does
-  CHECK(ms_since(t0) < 100);
+  CHECK(ms_since(t0) < 1000);
   CHECK(sending.load());
   sender.join();
   std::string why;
