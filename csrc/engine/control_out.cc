@@ -55,11 +55,15 @@ void ControlOut::send_first(std::vector<uint8_t> bytes, Clock::time_point deadli
   if (wait_written(0, deadline, &why, &err)) return;
   {  // a connection whose first frame did not go out is of no use: the link goes
     std::lock_guard<std::mutex> g(mu_);
-    if (!failed_) fail_why_ = "the first frame was not sent", fail_errno_ = err;
-    failed_ = true;
+    fail_locked(err, "the first frame was not sent");
   }
-  sock_.shutdown();
   throw Error("sending " + what + " on the control connection: " + why, err);
+}
+
+void ControlOut::fail_locked(int err, std::string why) {
+  if (!failed_) fail_errno_ = err, fail_why_ = std::move(why);
+  failed_ = true;
+  sock_.shutdown();
 }
 
 bool ControlOut::flush() {
@@ -76,10 +80,8 @@ bool ControlOut::drain_locked() {
     if (n < 0 && errno == EINTR) continue;
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;
     if (n <= 0) {
-      fail_errno_ = n < 0 ? errno : EPIPE;
-      fail_why_ = n < 0 ? "send: " + errno_str(errno) : std::string("send wrote nothing");
-      failed_ = true;
-      sock_.shutdown();
+      const int e = n < 0 ? errno : EPIPE;
+      fail_locked(e, n < 0 ? "send: " + errno_str(e) : std::string("send wrote nothing"));
       return false;
     }
     progress_ = Clock::now();
@@ -111,10 +113,7 @@ bool ControlOut::wait_written(uint64_t id, Clock::time_point deadline, std::stri
         if (it == q_.begin() && off_ > 0) {  // begun: the rest cannot be taken back, nor left half sent
           *why = "timed out with " + std::to_string(off_) + " of its " + std::to_string(it->bytes.size()) +
                  " bytes written: the peer is not reading; the connection is shut down";
-          fail_why_ = "a frame was left half written";
-          fail_errno_ = ETIMEDOUT;
-          failed_ = true;
-          sock_.shutdown();
+          fail_locked(ETIMEDOUT, "a frame was left half written");
           return false;
         }
         const size_t ahead = bytes_ - it->bytes.size();

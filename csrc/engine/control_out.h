@@ -65,6 +65,8 @@ class ControlOut {
   uint64_t push_locked(std::vector<uint8_t> bytes);
   // mu_ held: what the socket takes without waiting. False on a failed connection.
   bool drain_locked();
+  // mu_ held: the connection is of no use any more (the first reason is kept); it is shut down.
+  void fail_locked(int err, std::string why);
   // Until frame `id` is written (true), the connection fails or `deadline` passes (false: *why, and
   // *err the errno: ETIMEDOUT for the deadline).
   bool wait_written(uint64_t id, Clock::time_point deadline, std::string* why, int* err);
