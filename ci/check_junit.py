@@ -38,7 +38,15 @@ def main() -> int:
         if not any(c == mod or c.startswith(mod + ".") for c in ran):
             print(f"[ci] ERROR: no test of {mod} ran")
             return 1
-    return 1 if failed else 0
+    if failed:
+        for c in cases:
+            bad = c.find("failure")
+            bad = bad if bad is not None else c.find("error")
+            if bad is not None:
+                why = (bad.get("message") or "").strip().splitlines()
+                print(f"[ci] FAILED {c.get('classname')}::{c.get('name')}: {why[0][:300] if why else '(no message)'}")
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
