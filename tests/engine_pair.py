@@ -22,8 +22,10 @@ TRANSPORTS = [pytest.param("rdma", marks=pytest.mark.rdma), pytest.param("rdma4"
               "shm", "tcp"]
 MiB = 1 << 20
 # transport: the running test's transport (the `transport` fixture sets it), qps: its queue pairs per
-# rdma link; remote, myip: see the module's doc
-HOSTS = SimpleNamespace(transport="rdma", qps=1, remote=None, myip="127.0.0.1")
+# rdma link; remote, myip: see the module's doc; big: the bytes of the tests that need a transfer still
+# running when something happens to it (a deadline, a flag behind it). Across the emulated link a
+# quarter of it still runs for seconds, and every byte the test compares crosses the link again.
+HOSTS = SimpleNamespace(transport="rdma", qps=1, remote=None, myip="127.0.0.1", big=64 * MiB)
 
 
 @pytest.fixture(params=TRANSPORTS, autouse=True)
