@@ -16,6 +16,8 @@
 #   RXE_ARTIFACTS    host dir for rc/markers/logs (default: <repo>/ci-artifacts)
 #   RXE_VM_RWDIRS    extra space-separated host dirs to make writable in the guest
 #   RXE_WAIT_S       seconds to wait for rxe0 PORT_ACTIVE in the guest (default: 60)
+#   RXE_VM_CACHED_DIRS  extra space-separated read-only dirs the guest reads with a page cache
+#                    (ci/cached-dirs.sh; the python's prefixes and HIXL_VLLM_VENV always are)
 #   RXE_VM_PASS_ENV  extra space-separated variable names to pass into the guest
 #                    (PATH, PYTHON, PYTHONPATH, VIRTUAL_ENV, PYENV_VERSION, LANG, LC_ALL,
 #                     CI and every HIXL_* / PYTEST_* variable are always passed)
@@ -60,6 +62,10 @@ command -v qemu-system-x86_64 >/dev/null || die 2 "qemu-system-x86_64 not found"
 # Python the tests should use; resolved on the host so pyenv shims are not needed in the guest.
 HOST_PY="${PYTHON:-$(python3 -c 'import sys; print(sys.executable)' 2>/dev/null || command -v python3 || true)}"
 
+# The interpreters' trees, read through a page cache in the guest (ci/cached-dirs.sh).
+. "$REPO/ci/cached-dirs.sh"
+mapfile -t CACHED < <(cached_dirs "$HOST_PY" ${HIXL_VLLM_VENV:-} ${RXE_VM_CACHED_DIRS:-})
+
 # One VM per artifact dir: parallel runs must use distinct RXE_ARTIFACTS.
 exec 9>"$ART/.lock"
 flock -n 9 || die 2 "another ci/rxe-vm.sh is using $ART; set RXE_ARTIFACTS to a different dir"
@@ -76,6 +82,7 @@ rm -f "$RC_FILE" "$RC_FILE.tmp" "$UP_FILE" "$GUEST_SCRIPT"
     echo 'set -uo pipefail'
     echo 'echo "[ci] guest userspace up at uptime $(cut -d" " -f1 /proc/uptime)s"'
     printf 'export HOME=/root\n'
+    cached_dirs_mounts "${CACHED[@]}"
     # Put the real interpreter's bin dir first: a pyenv shim costs ~15-20 s per call under TCG.
     GUEST_PATH="$PATH"
     if [ -n "$HOST_PY" ] && [ -x "$(dirname "$HOST_PY")/python3" ]; then
@@ -114,10 +121,12 @@ for d in ${RXE_VM_RWDIRS:-}; do RWDIRS+=("$(cd "$d" && pwd -P)"); done
 VNG_ARGS=(--run "$KERNEL" --disable-kvm --disable-microvm
           --memory "$MEMORY" --cpus "$CPUS" --cwd "$REPO")
 for d in "${RWDIRS[@]}"; do VNG_ARGS+=(--rwdir "$d"); done
+[ "${#CACHED[@]}" -eq 0 ] || VNG_ARGS+=(--qemu-opts="$(cached_dirs_qemu "${CACHED[@]}")")
 VNG_ARGS+=(--exec "bash $(printf '%q' "$GUEST_SCRIPT")")
 
 log "kernel $KERNEL, TCG, cpus=$CPUS memory=$MEMORY timeout=${TIMEOUT_S}s"
 log "rwdirs: ${RWDIRS[*]}; artifacts: $ART; python: ${HOST_PY:-<none>}"
+log "read through the guest's page cache: ${CACHED[*]:-<none>}"
 log "command: $*"
 start=$(date +%s)
 set +e

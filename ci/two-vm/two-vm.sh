@@ -24,8 +24,11 @@ log() { echo "[host $(date +%T)] $*" | tee -a "$ST/host.log"; }
 # What the guests get: the phase settings, the commands, the repository and its Python (the guest
 # sees the host's root read-only; PATH as here, so the same python3 runs there).
 ENV_FILE="$ST/guest-env.sh"
+. "$(dirname "$GUEST_SH")/../cached-dirs.sh"  # the interpreters' trees, through the guests' page cache
+mapfile -t CACHED < <(cached_dirs "${PYTHON:-$(command -v python3)}" ${TV_CACHED_DIRS:-})
 {
     echo '#!/usr/bin/env bash'
+    cached_dirs_mounts "${CACHED[@]}"
     for v in TV_PHASES TV_ITERS TV_SIZE TV_PHASE_T TV_DUR TV_TEST TV_CMD_A TV_CMD_B TV_REPO PATH PYTHONPATH \
              VIRTUAL_ENV HIXL_LOG_LEVEL PYTEST_DISABLE_PLUGIN_AUTOLOAD; do
         [ -n "${!v+x}" ] && printf 'export %s=%q\n' "$v" "${!v}"
@@ -41,7 +44,7 @@ start_guest() {  # ROLE MAC LOCALPORT REMOTEPORT
       stream) if [ "$r" = A ]; then nd="stream,id=xn0,server=on,addr.type=inet,addr.host=127.0.0.1,addr.port=$lp"
               else nd="stream,id=xn0,server=off,addr.type=inet,addr.host=127.0.0.1,addr.port=$rp"; fi ;;
     esac
-    local qo="-netdev $nd -device virtio-net-pci,netdev=xn0,mac=$mac"
+    local qo="-netdev $nd -device virtio-net-pci,netdev=xn0,mac=$mac $(cached_dirs_qemu "${CACHED[@]}")"
     # setsid: own process group (= this PID) so the whole vng+qemu tree can be killed at once
     setsid timeout -k 15 "$TOTAL_T" "$VNG" --run "$KERNEL" --disable-kvm --disable-microvm \
         --cpus "$CPUS" --memory "$MEM" --name "vm-$r" ${TV_VERBOSE:+--verbose} --rwdir "$DIR" --cwd "$DIR" \
@@ -51,6 +54,7 @@ start_guest() {  # ROLE MAC LOCALPORT REMOTEPORT
     PID[$r]=$!   # no $(...): the guest must stay a child of this shell for wait
 }
 log "run $ST kernel=$KERNEL cpus=$CPUS mem=$MEM link=$LINK 127.0.0.1:$PORT_A<->$PORT_B timeout=${TOTAL_T}s"
+log "read through the guests' page cache: ${CACHED[*]:-<none>}"
 t0=$(date +%s)
 declare -A PID=() RC=()
 start_guest A 52:54:00:88:00:01 "$PORT_A" "$PORT_B"
