@@ -8,8 +8,18 @@ ART="${RXE_ARTIFACTS:-ci-artifacts}"
 PY="${PYTHON:-python3}"
 export HIXL_REQUIRE_RDMA=1
 export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1  # site-packages plugins cost seconds per start under TCG
+# How busy the guest's vCPUs were over a phase: what is left to overlap there (the rest waits on 9p,
+# on sleeps in tests, on the other end).
+cpu_ticks() { awk '/^cpu / {print $2 + $3 + $4 + $7 + $8, $2 + $3 + $4 + $5 + $6 + $7 + $8}' /proc/stat; }
+cpu_mark() { read -r BUSY0 ALL0 < <(cpu_ticks); }
+cpu_said() {
+    local busy all
+    read -r busy all < <(cpu_ticks)
+    log "$1: the vCPUs were busy $(( 100 * (busy - BUSY0) / (all - ALL0 > 0 ? all - ALL0 : 1) ))% of the time"
+}
 
 log "tier 2+3: pytest -m 'rdma or interop' on $(ibv_devices | awk 'NR>2 {print $1}' | xargs), two tests at a time"
+cpu_mark
 # tests/vllm_tier needs the vLLM environment: it runs below with that environment's python (here it
 # would only be skipped, and a skip fails the tier). Two pytest workers (pytest-xdist) keep both vCPUs
 # busy: under TCG a test is mostly one interpreter's work, and the tier takes about half as long. The
@@ -18,6 +28,7 @@ log "tier 2+3: pytest -m 'rdma or interop' on $(ibv_devices | awk 'NR>2 {print $
     -m "(rdma or interop) and not exclusive" --ignore=tests/vllm_tier --junitxml="$ART/rdma-junit.xml" tests
 test_rc=$?
 log "pytest exit status: $test_rc"
+cpu_said "tier 2+3"
 "$PY" -m pytest -p no:cacheprovider -q -rA -m "(rdma or interop) and exclusive" --ignore=tests/vllm_tier \
     --junitxml="$ART/rdma-exclusive-junit.xml" tests
 rc=$?
@@ -37,6 +48,7 @@ if [ -n "${HIXL_VLLM_VENV:-}" ]; then
     vllm_pid=$!
 fi
 
+cpu_mark
 bench_rc=0
 if [ "${HIXL_SKIP_BENCH:-0}" != 1 ]; then
     log "bench smoke in this VM (ci/bench.sh --smoke vm-guest): WRITE sweep, hixl bench, callgrind"
@@ -49,6 +61,7 @@ if [ -n "$vllm_pid" ]; then
     vrc=$?
     cat "$ART/vllm-rdma.log"
     log "vLLM tier over rdma exit status: $vrc"
+    cpu_said "the connector's rdma tests beside the bench smoke runs"
     [ "$test_rc" -ne 0 ] || test_rc=$vrc
 fi
 [ "$test_rc" -eq 0 ] || exit "$test_rc"
