@@ -16,6 +16,7 @@ APT_PACKAGES=(
     qemu-system-x86 linux-image-amd64 kmod iproute2 busybox-static procps
     clang libclang-rt-14-dev   # ci/fuzz.sh: libFuzzer + ASan/UBSan over the wire parsers
     valgrind                   # bench/callgrind.py: instructions per request, ours vs perftest
+    ccache                     # ci/test-all.sh: C++ objects kept across runs
 )
 
 # Versions verified together on the reference machine.

@@ -28,15 +28,32 @@ TWOHOST_MARK="${HIXL_TWOHOST_MARK:-twohost and not compare}"
 
 deps() { bash ci/install-deps.sh; }
 
+# C++ objects are kept across runs (ccache, in ~/.cache/ccache): a change touches a few files, and the
+# wheels, ctest and the fuzzer build the same sources again. Paths count from the clone (CCACHE_BASEDIR),
+# so a fresh clone elsewhere hits too.
+ccache_on() {
+    command -v ccache >/dev/null || return 0
+    export CMAKE_C_COMPILER_LAUNCHER=ccache CMAKE_CXX_COMPILER_LAUNCHER=ccache CCACHE_BASEDIR="$REPO" \
+        CCACHE_NOHASHDIR=1 CCACHE_MAXSIZE="${CCACHE_MAXSIZE:-2G}"
+    ccache --zero-stats >/dev/null
+}
+ccache_said() {  # after a build: how much of it came from the cache
+    command -v ccache >/dev/null || return 0
+    ccache --print-stats | awk '/^(direct|preprocessed)_cache_hit\t/ {h += $2} /^cache_miss\t/ {m = $2}
+        END {printf "[ci] ccache: %d compiles from the cache, %d compiled\n", h, m}'
+}
+
 wheels() {  # the library and its tools, installed here and (below) into the vLLM environment
     rm -rf build/wheelhouse
     "$PY" -m pip wheel --disable-pip-version-check --no-build-isolation --no-deps -w build/wheelhouse . ./tools
     "$PY" -m pip install --disable-pip-version-check --force-reinstall --no-deps build/wheelhouse/*.whl
+    ccache_said
 }
 
 ctest_() {
     cmake -S . -B build/ctest -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
     cmake --build build/ctest
+    ccache_said
     ctest --test-dir build/ctest --output-on-failure
 }
 
@@ -116,6 +133,7 @@ two_host() {
 }
 
 [ "${HIXL_SKIP_DEPS:-0}" = 1 ] || step "install: apt and pip (ci/install-deps.sh)" deps
+ccache_on
 step "build: the wheels of hixl and hixl-tools, installed here" wheels
 step "tier 1: ctest, then pytest with no device; libFuzzer beside them" tier1_all
 [ "$BENCH" = 0 ] || step "bench smoke: host (sweep, PD pipeline, descriptors)" bench_host
