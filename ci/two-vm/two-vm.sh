@@ -18,7 +18,11 @@ TV_VERBOSE="${TV_VERBOSE-1}"   # 1: guest kernel console in the log (set empty t
 RUN="$(date +%Y%m%d-%H%M%S)"; ST="$DIR/state/$RUN"; mkdir -p "$ST"; DIR="$(cd "$DIR" && pwd -P)"; ST="$DIR/state/$RUN"
 ln -sfn "$ST" "$DIR/state/latest"
 VNG="$(command -v vng)"
-base=$(( 40000 + (RANDOM % 1000) * 2 )); PORT_A=$base; PORT_B=$((base + 1))
+for _ in $(seq 1 50); do  # two ports nobody listens on (other work may run beside this, e.g. vLLM in CI)
+    base=$(( 40000 + (RANDOM % 1000) * 2 ))
+    ss -Htan | awk '{print $4}' | grep -Eq ":($base|$((base + 1)))\$" || break
+done
+PORT_A=$base; PORT_B=$((base + 1))
 log() { echo "[host $(date +%T)] $*" | tee -a "$ST/host.log"; }
 
 # What the guests get: the phase settings, the commands, the repository and its Python (the guest
