@@ -96,6 +96,7 @@ vllm_tier() {
         --require tests.vllm_tier.test_worker_parts --require tests.vllm_tier.test_contracts \
         --require tests.vllm_tier.test_tp_parts \
         --require tests.vllm_tier.test_tp_e2e \
+        --require tests.vllm_tier.test_default_threads \
         || { log "FAIL: the vLLM tier did not really pass"; return 1; }
     [ "$rc" -eq 0 ] || { log "FAIL: vLLM tier exited $rc"; return "$rc"; }
 }
