@@ -61,6 +61,10 @@ log "run $ST kernel=$KERNEL cpus=$CPUS mem=$MEM link=$LINK 127.0.0.1:$PORT_A<->$
 log "read through the guests' page cache: ${CACHED[*]:-<none>}"
 t0=$(date +%s)
 declare -A PID=() RC=()
+# Stopped from outside (CI's run ends early): the guests, each in a session of its own, go too.
+stop_guests() { for r in "${!PID[@]}"; do [ -n "${RC[$r]+x}" ] || kill -KILL -- "-${PID[$r]}" 2>/dev/null; done; }
+trap stop_guests EXIT
+trap 'exit 143' TERM INT
 start_guest A 52:54:00:88:00:01 "$PORT_A" "$PORT_B"
 if [ "$LINK" = stream ]; then  # QEMU 7.2 stream client does not retry: wait for A's listener
     for _ in $(seq 1 100); do ss -ltn | grep -q "127.0.0.1:$PORT_A " && break; sleep 0.2; done
