@@ -85,21 +85,37 @@ bench_host() {
 
 vllm_env() { HIXL_WHEELS="$(ls "$REPO"/build/wheelhouse/*.whl | tr '\n' ' ')" bash ci/install-vllm.sh "$VLLM_VENV"; }
 
-vllm_tier() {
+vllm_pytest() {  # JUNIT PYTEST-ARGS...: the vLLM tier's tests in the vLLM environment
+    local junit="$1"; shift
     mkdir -p "$ART/vllm"
-    rm -f "$ART/vllm-junit.xml"
-    local rc=0
+    rm -f "$junit"
     HIXL_REQUIRE_VLLM=1 HIXL_VLLM_LOGS="$ART/vllm" HIXL_VLLM_MODEL="$REPO/build/smollm2-hf" \
-        "$VLLM_VENV/bin/python" -m pytest -p no:cacheprovider -q -rA --durations=15 -m "vllm and not rdma and not open_defect" \
-        --junitxml="$ART/vllm-junit.xml" tests/vllm_tier || rc=$?
-    "$PY" ci/check_junit.py "$ART/vllm-junit.xml" --min-tests 111 \
+        "$VLLM_VENV/bin/python" -m pytest -p no:cacheprovider -q -rA --durations=15 \
+        -m "vllm and not rdma and not open_defect" --junitxml="$junit" "$@"
+}
+
+# The vLLM tier in two parts: the PD module's five instances (with vllm.LLM in the test process) take
+# most of the host's memory; the modules after it start three at a time and leave room for tier 4.
+vllm_tier() {
+    local rc=0
+    vllm_pytest "$ART/vllm-junit.xml" tests/vllm_tier --ignore=tests/vllm_tier/test_default_threads.py \
+        --ignore=tests/vllm_tier/test_tp_e2e.py || rc=$?
+    "$PY" ci/check_junit.py "$ART/vllm-junit.xml" --min-tests 106 \
         --require tests.vllm_tier.test_connector_units --require tests.vllm_tier.test_pd_e2e \
         --require tests.vllm_tier.test_worker_parts --require tests.vllm_tier.test_contracts \
         --require tests.vllm_tier.test_tp_parts \
-        --require tests.vllm_tier.test_tp_e2e \
-        --require tests.vllm_tier.test_default_threads \
         || { log "FAIL: the vLLM tier did not really pass"; return 1; }
     [ "$rc" -eq 0 ] || { log "FAIL: vLLM tier exited $rc"; return "$rc"; }
+}
+
+vllm_tier_small() {
+    local rc=0
+    vllm_pytest "$ART/vllm-small-junit.xml" tests/vllm_tier/test_default_threads.py \
+        tests/vllm_tier/test_tp_e2e.py || rc=$?
+    "$PY" ci/check_junit.py "$ART/vllm-small-junit.xml" --min-tests 5 \
+        --require tests.vllm_tier.test_default_threads --require tests.vllm_tier.test_tp_e2e \
+        || { log "FAIL: the vLLM tier's second part did not really pass"; return 1; }
+    [ "$rc" -eq 0 ] || { log "FAIL: vLLM tier (second part) exited $rc"; return "$rc"; }
 }
 
 bench_vllm() { HIXL_VLLM_VENV="$VLLM_VENV" HIXL_VLLM_MODEL="$REPO/build/smollm2-hf" bash ci/bench.sh --smoke vllm; }
@@ -134,9 +150,10 @@ two_host() {
 }
 
 # Tier 4's guests mostly wait on each other across their link: alone, they kept the host's two cores
-# 29% busy. It starts once the vLLM tier is done (its five instances and the guests together do not fit
-# in memory) and runs beside tier 1 and the benchmark smoke runs; the rxe VM, whose tests are the most
-# sensitive to a loaded host, starts after it ends. Its log is printed then, with its own seconds.
+# 29% busy. It starts once the PD cluster's tests are done (its five instances and the guests together
+# do not fit in memory) and runs beside the rest of the vLLM tier, tier 1 and the benchmark smoke runs;
+# the rxe VM, whose tests are the most sensitive to a loaded host, starts after it ends. Its log is
+# printed then, with its own seconds.
 TIER4_RC="$ART/twohost.rc"
 tier4_begin() {
     rm -f "$TIER4_RC" "$ART/twohost.log"
@@ -157,11 +174,12 @@ tier4_stop() { [ -z "${TIER4_PID:-}" ] || kill -- "-$TIER4_PID" 2>/dev/null || t
 ccache_on
 step "build: the wheels of hixl and hixl-tools, installed here" wheels
 step "vLLM: its environment (ci/install-vllm.sh)" vllm_env
-step "vLLM tier: connector parts and vllm serve instances" vllm_tier
+step "vLLM tier: connector parts, the PD cluster (5 instances)" vllm_tier
 set -m  # tier 4 in a process group of its own, so that a failing step below takes it down too
 trap 'rc_=$?; tier4_stop; (exit "$rc_"); _steps_table' EXIT  # the table reads the run's status from $?
 tier4_begin
 set +m
+step "vLLM tier: default-threads pair, tensor parallel (3 at a time)" vllm_tier_small
 step "tier 1: ctest, then pytest with no device; libFuzzer beside them" tier1_all
 [ "$BENCH" = 0 ] || step "bench smoke: host (sweep, PD pipeline, descriptors)" bench_host
 [ "$BENCH" = 0 ] || step "bench smoke: vLLM PD (bench/vllm_pd.py)" bench_vllm
