@@ -183,6 +183,6 @@ step "vLLM tier: default-threads pair, tensor parallel (3 at a time)" vllm_tier_
 step "tier 1: ctest, then pytest with no device; libFuzzer beside them" tier1_all
 [ "$BENCH" = 0 ] || step "bench smoke: host (sweep, PD pipeline, descriptors)" bench_host
 [ "$BENCH" = 0 ] || step "bench smoke: vLLM PD (bench/vllm_pd.py)" bench_vllm
-step "tier 4: two guests joined by a link (ci/two-vm), begun after the vLLM tier" tier4_end
+step "tier 4 (ci/two-vm), begun after the PD cluster: the rest of it" tier4_end
 step "tiers 2+3 in the rxe VM: rdma, interop, vLLM parts, bench smoke" vm_tiers
 log "all tiers passed"
