@@ -29,8 +29,8 @@ TWOHOST_MARK="${HIXL_TWOHOST_MARK:-twohost and not compare}"
 deps() { bash ci/install-deps.sh; }
 
 # C++ objects are kept across runs (ccache, in ~/.cache/ccache): a change touches a few files, and the
-# wheels, ctest and the fuzzer build the same sources again. Paths count from the clone (CCACHE_BASEDIR),
-# so a fresh clone elsewhere hits too.
+# wheels and ctest's build compile the same sources each run. Paths count from the clone
+# (CCACHE_BASEDIR), so a fresh clone elsewhere hits too.
 ccache_on() {
     command -v ccache >/dev/null || return 0
     export CMAKE_C_COMPILER_LAUNCHER=ccache CMAKE_CXX_COMPILER_LAUNCHER=ccache CCACHE_BASEDIR="$REPO" \
