@@ -483,9 +483,10 @@ def test_sync_timeout_lets_no_write_land_afterwards():
 
 
 def test_async_deadline_aborts_the_link_and_no_write_lands_afterwards():
-    """transfer_async(..., timeout_in_millis=1) with 16 requests of HOSTS.big queued: a request not done when the watchdog
-    finds it past its deadline ends TIMEOUT (the live peer confirmed its end stopped), never WAITING;
-    the link is aborted on both sides, and no byte lands after the statuses were reported."""
+    """transfer_async(..., timeout_in_millis=1) with 16 requests of HOSTS.big queued: a request not done
+    when the watchdog finds it past its deadline ends TIMEOUT (the live peer confirmed its end stopped),
+    never WAITING; the link is aborted on both sides, and no byte lands after the statuses were
+    reported."""
     size = HOSTS.big
     p = Pair(size=size)
     try:
