@@ -1,0 +1,60 @@
+"""bench/paired.py, the per-prompt comparisons of bench/vllm_pd.py: the median's distribution-free
+interval against a reference computed by brute force over sign patterns, the per-prompt ratios and the
+goal's verdict."""
+from __future__ import annotations
+
+import os
+import random
+import sys
+from itertools import product
+
+import pytest
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+sys.path.insert(0, BENCH)
+import paired  # noqa: E402
+
+
+def _coverage(n: int, k: int) -> float:
+    """P(x_(k) <= median < x_(n-k+1)) for a continuous distribution: the share of the 2^n sign patterns
+    (each value below or above the true median) with at least k values on each side."""
+    hits = sum(1 for signs in product((0, 1), repeat=n) if k <= sum(signs) <= n - k)
+    return hits / 2 ** n
+
+
+@pytest.mark.parametrize("n", [1, 5, 6, 7, 10, 16])
+def test_the_median_interval_is_the_narrowest_order_statistics_that_cover_95_percent(n):
+    xs = [float(v) for v in range(100, 100 + n)]
+    random.Random(n).shuffle(xs)
+    ci = paired.median_interval(xs)
+    if n <= 5:  # even (min, max) covers 1 - 2 / 2^n < 95 %
+        assert ci is None and _coverage(n, 1) < 0.95
+        return
+    k = int(ci[0]) - 100 + 1  # the interval is [x_(k), x_(n-k+1)]
+    assert ci[1] == 100 + n - k
+    assert _coverage(n, k) >= 0.95 > _coverage(n, k + 1)
+
+
+def test_ratios_pair_rows_by_prompt_and_summary_splits_by_length():
+    mono = [{"i": i, "words": w, "ttft_s": t} for i, w, t in ((0, 500, 2.0), (1, 900, 4.0), (2, 500, 2.0))]
+    push = [{"i": 1, "words": 900, "ttft_s": 4.2}, {"i": 0, "words": 500, "ttft_s": 2.2},
+            {"i": 3, "words": 900, "ttft_s": 9.0}]  # i = 3 has no mono partner
+    r = paired.ratios(push, mono)
+    assert sorted((p["i"], round(p["ratio"], 6)) for p in r) == [(0, 1.1), (1, 1.05)]
+    s = paired.summary(r)
+    assert s["n"] == 2 and s["ci"] is None and s["median"] == pytest.approx(1.075)
+    assert s["by_words"] == {"500": {"n": 1, "median": pytest.approx(1.1)},
+                             "900": {"n": 1, "median": pytest.approx(1.05)}}
+    assert paired.summary([]) is None
+
+
+@pytest.mark.parametrize("ratios, want", [
+    ([1.00, 1.01, 1.02, 1.02, 1.03, 1.03, 1.04, 1.04], "met"),
+    ([1.06, 1.07, 1.08, 1.08, 1.09, 1.10, 1.11, 1.12], "missed"),
+    ([0.95, 0.98, 1.01, 1.03, 1.04, 1.07, 1.09, 1.12], "undecided"),
+    ([1.02, 1.03], "met by the median only"),
+    ([1.08, 1.09], "missed by the median only"),
+])
+def test_the_verdict_decides_only_when_the_interval_is_on_one_side(ratios, want):
+    v = paired.verdict(paired.summary([{"i": i, "ratio": x} for i, x in enumerate(ratios)]), 1.05)
+    assert v == want or v.startswith(want + " ") or v.startswith(want + ":"), v
