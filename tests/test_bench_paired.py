@@ -58,3 +58,24 @@ def test_ratios_pair_rows_by_prompt_and_summary_splits_by_length():
 def test_the_verdict_decides_only_when_the_interval_is_on_one_side(ratios, want):
     v = paired.verdict(paired.summary([{"i": i, "ratio": x} for i, x in enumerate(ratios)]), 1.05)
     assert v == want or v.startswith(want + " ") or v.startswith(want + ":"), v
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to tell a binding from none")
+def test_a_whole_process_instance_runs_every_process_on_its_cores(tmp_path):
+    """``VllmInstance(whole_process=True)``: the instance's process, and what it starts, get only its
+    cores (the bench's stand-in for a host per instance); without it they keep ours."""
+    from hixl_tools.vllm_launch import VllmInstance
+
+    probe = ("import os, subprocess, sys; print('parent', sorted(os.sched_getaffinity(0))); sys.stdout.flush(); "
+             "subprocess.run([sys.executable, '-c', 'import os; print(\"child\", sorted(os.sched_getaffinity(0)))'])")
+    cpu = min(os.sched_getaffinity(0))
+    for whole, want in ((True, [cpu]), (False, sorted(os.sched_getaffinity(0)))):
+        inst = VllmInstance(f"probe-{whole}", "none", cores=str(cpu), log_dir=str(tmp_path), whole_process=whole)
+        inst.cmd = [sys.executable, "-c", probe]
+        inst.start()
+        assert inst.proc.wait(30) == 0
+        inst.stop()
+        log = inst.log_text()
+        assert f"parent {want}" in log and f"child {want}" in log, log
+    with pytest.raises(ValueError, match="whole_process needs cores"):
+        VllmInstance("x", "none", whole_process=True)

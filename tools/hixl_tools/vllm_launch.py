@@ -80,14 +80,17 @@ class VllmInstance:
     bound to ``cores``; with ``tp`` 2 and no ``cores``, "0|1": one core per rank) or "default" (vLLM's
     defaults: neither variable, whatever this process's environment says). A HixlConnector prefill serves
     its bootstrap endpoint (``GET /query``) on ``bootstrap_port`` (a free one unless given; through
-    ``HIXL_VLLM_BOOTSTRAP_PORT``, so the connector's default, 8998, never clashes on one host)."""
+    ``HIXL_VLLM_BOOTSTRAP_PORT``, so the connector's default, 8998, never clashes on one host).
+    ``whole_process``: every process of the instance (API server, engine core, workers) runs on ``cores``
+    only, not just the OpenMP threads: a stand-in for a host of its own. vLLM's engine core steps, and spins
+    in its message queue, while a decoder's request waits for its KV; unbound, it runs on any core."""
 
     def __init__(self, name: str, model: str, *, role: Optional[str] = None, extra: Optional[Dict[str, Any]] = None,
                  failure_policy: Optional[str] = None, cores: Optional[str] = None, port: Optional[int] = None,
                  log_dir: str = ".", kv_cache_gib: int = 1, max_model_len: int = 2048, served_name: str = "smollm2",
                  env: Optional[Dict[str, str]] = None, connector: str = CONNECTOR, module_path: Optional[str] = "auto",
                  args: Optional[List[str]] = None, tp: int = 1, threads: str = "pinned",
-                 bootstrap_port: Optional[int] = None):
+                 bootstrap_port: Optional[int] = None, whole_process: bool = False):
         if threads not in ("pinned", "default"):
             raise ValueError(f"VllmInstance {name}: threads {threads!r} is not 'pinned' or 'default'")
         if threads == "default" and cores is not None:
@@ -120,6 +123,11 @@ class VllmInstance:
             for k in ("OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND"):
                 self.env.pop(k, None)
         self.env.update(env)
+        self.cpus: Optional[set] = None
+        if whole_process:
+            if not cores:
+                raise ValueError(f"VllmInstance {name}: whole_process needs cores")
+            self.cpus = {int(c) for c in re.split(r"[|,]", cores)}
         self.proc: Optional[subprocess.Popen] = None
 
     def _kv_config(self, role: str, extra: Optional[Dict[str, Any]], failure_policy: Optional[str],
@@ -145,8 +153,10 @@ class VllmInstance:
         self._log = open(self.log_path, "ab")
         self._log.write(f"$ {' '.join(self.cmd)}\n".encode())
         self._log.flush()
+        cpus = self.cpus
         self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+                                     stdin=subprocess.DEVNULL, start_new_session=True,
+                                     preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus))
         return self
 
     def healthy(self) -> bool:
