@@ -19,10 +19,19 @@ instance's threads ran (CPU affinity, CPU seconds per thread over the measuremen
 JSON, so a spinning progress thread shows. A configuration that fails records why; the others stand.
 
 Requests go one at a time (TTFT without queueing); each prompt starts with a nonce (no prefix-cache hit).
-Goals, as ratios of medians from one run (evaluated, printed, never an exit status): hixl push TTFT <=
-NixlConnector's, hixl push's exposed transfer time <= 0.5x NixlConnector's transfer time; behind
-vllm-router, hixl TTFT (push, pull) <= NixlConnector's; behind hixl proxy, push TTFT <= 1.05x one
-instance's; TP=2 -> TP=1 push TTFT <= 1.05x one TP=1 instance's.
+Each instance runs, all its processes, on its own core (``--pin process``; ``omp`` binds only the OpenMP
+threads, as the TP row does: its prefill needs both cores) and each request starts after a quiet pause (``--gap-s``), so no other instance's busy-waiting
+shares the core of a measured prefill: the stand-in for a host per instance that 2 cores allow.
+The configurations that share a set of instances, or run beside their reference, are measured in turns
+(request i of each before request i + 1 of any), so the host's drift falls on all of them alike; mono and
+push (and the TP row and its reference) get the same prompts, and their TTFT ratio is also taken per prompt,
+with a distribution-free 95 % interval for its median (``bench/paired.py``). Goals, from one run (evaluated,
+printed, never an exit status): hixl push TTFT <= NixlConnector's, hixl push's exposed transfer time <= 0.5x
+NixlConnector's transfer time, and behind vllm-router hixl TTFT (push, pull) <= NixlConnector's, as ratios
+of medians; behind hixl proxy, push TTFT <= 1.05x one instance's, per prompt: met or missed when the
+interval lies on one side of 1.05, undecided (more requests needed) when it spans it. The TP row reports
+its ratio to one TP=1 instance without a goal: on a two-layer model the per-request costs that do not grow
+with the model (two HTTP hops, the grant, the decoder's first step) are most of its TTFT.
 
 Runs in the vLLM environment (``bash ci/install-vllm.sh VENV``; ``VENV/bin/python bench/vllm_pd.py``). Writes
 ``vllm_pd.json``, ``vllm_pd.txt`` and, with matplotlib (``--from-json`` on a host that has it),
@@ -41,12 +50,16 @@ import urllib.request
 import uuid
 from typing import Any, Dict, List, Optional
 
-import vllm_ttft  # bench/, beside this script
+import paired  # bench/, beside this script
+import vllm_ttft
 
 WORDS = ("river stone light north garden paper silver window market cloud music table orange engine winter "
          "bridge forest letter summer island doctor planet yellow camera").split()
 MIB = float(2 ** 20)
 ALL_CONFIGS = ("mono", "push", "pull", "nixl", "router-push", "router-pull", "router-nixl", "tp")
+# Configurations measured in turns with their reference, on the same prompts: their TTFT ratio per prompt.
+PAIRED = {"hixl-push": "mono", "hixl-pull": "mono", "router-push": "mono", "router-pull": "mono",
+          "tp2-to-tp1": "tp-mono"}
 
 
 def _pct(xs: List[float], q: float) -> Optional[float]:
@@ -149,26 +162,63 @@ class Runner:
         os.makedirs(self.logs, exist_ok=True)
         self.results: Dict[str, Any] = {}
         self.placement: Dict[str, Any] = {}
+        self.fronts: Dict[str, Any] = {}  # configuration -> the proxy or router in front of it
 
-    def _measure(self, name: str, insts: Dict[str, Any], one) -> None:
-        """Warm-up, then the measured requests, one at a time (``one(i, prompt)`` returns a row)."""
+    def _measure(self, group: str, arms: Dict[str, Any]) -> None:
+        """Warm-up, then the measured requests of every arm in ``arms`` (name -> (instances, ``one``)), in
+        turns: request ``i`` of each arm before request ``i + 1`` of any, the arms' order rotating, so a
+        drift of the host's speed falls on all of them alike. ``one(i, prompt)`` returns a row. Arms on
+        instances of their own get the same prompt for ``i`` (their TTFTs pair up); an arm on instances that
+        already saw it gets the same words under a fresh nonce (no prefix-cache hit). An arm that raises
+        records why and leaves the turns; the others go on."""
         a = self.args
-        for i in range(a.warmup):
-            one(-1 - i, _prompt(a.words[i % len(a.words)], 1000 + i))
+        live = dict(arms)
+        for name, (_, one) in list(live.items()):
+            try:
+                for w in range(a.warmup):
+                    time.sleep(a.gap_s)
+                    one(-1 - w, _prompt(a.words[w % len(a.words)], 1000 + w))
+            except Exception as e:
+                self._failed(name, live.pop(name), e)
+        insts = {k: v for _, (ii, _) in live.items() for k, v in ii.items()}
         t_before = {k: _threads(v.proc.pid) for k, v in insts.items()}
         t0 = time.monotonic()
-        rows = []
+        rows: Dict[str, List[Dict[str, Any]]] = {n: [] for n in live}
         for i in range(a.requests):
-            rows.append(one(i, _prompt(a.words[i % len(a.words)], i)))
-            print(f"  {name} {i + 1}/{a.requests}: TTFT {rows[-1]['ttft_s'] * 1e3:.0f} ms, "
-                  f"prompt {rows[-1]['prompt_tokens']} tokens, KV {rows[-1].get('kv_bytes', 0) / MIB:.1f} MiB, "
-                  f"transfer {rows[-1].get('transfer_s', 0) * 1e3:.1f} ms", flush=True)
+            words = a.words[i % len(a.words)]
+            base, seen, prompts = _prompt(words, i), set(), {}
+            for name, (ii, _) in live.items():  # the first arm on a set of instances gets the shared prompt
+                prompts[name] = _prompt(words, i) if seen & set(ii) else base
+                seen |= set(ii)
+            names = list(live)
+            for name in names[i % len(names):] + names[:i % len(names)]:
+                time.sleep(a.gap_s)  # the last request's spinners go idle first (see --gap-s)
+                try:
+                    row = live[name][1](i, prompts[name])
+                except Exception as e:
+                    self._failed(name, live.pop(name), e)
+                    continue
+                rows[name].append(dict(row, i=i, words=words))
+                print(f"  {name} {i + 1}/{a.requests}: TTFT {row['ttft_s'] * 1e3:.0f} ms, prompt "
+                      f"{row['prompt_tokens']} tokens, KV {row.get('kv_bytes', 0) / MIB:.1f} MiB, "
+                      f"transfer {row.get('transfer_s', 0) * 1e3:.1f} ms", flush=True)
         wall = time.monotonic() - t0
-        self.placement[name] = {k: {"env": {e: v.env.get(e) for e in ("VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS",
-                                                                    "UCX_TLS") if v.env.get(e) is not None},
-                                    "threads": _thread_report(t_before[k], _threads(v.proc.pid), wall)}
-                                for k, v in insts.items()}
-        self.results[name] = rows
+        self.placement[group] = {k: {"env": {e: v.env.get(e) for e in ("VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS",
+                                                                     "UCX_TLS") if v.env.get(e) is not None},
+                                     "threads": _thread_report(t_before[k], _threads(v.proc.pid), wall)}
+                                 for k, v in insts.items()}
+        for name in live:
+            self.results[name] = rows[name]
+
+    def _failed(self, name: str, arm, e: Exception) -> None:
+        """A configuration that failed: why, and the tails of its instances' (and front's) logs."""
+        insts = arm[0]
+        self.results[name] = dict({"failed": f"{type(e).__name__}: {e}"},
+                                  **{f"{k}_log": v.tail(20) for k, v in insts.items()})
+        front = self.fronts.get(name)
+        if front is not None:
+            self.results[name]["front_log"] = front.tail(20)
+        print(f"{name}: failed:", e, flush=True)
 
     def _settle(self, fn, want, timeout=20.0):
         deadline = time.monotonic() + timeout
@@ -209,9 +259,9 @@ class Runner:
             row.update(transfer_s=row["wait_s"], exposed_s=row["wait_s"])
         return row
 
-    def _mono(self, name: str, ref) -> None:
+    def _mono_arm(self, ref):
+        """One instance, no connector: its rows carry its TTFT in parts."""
         a = self.args
-        print(f"{name}: one vLLM instance, no connector", flush=True)
 
         def one_mono(i, prompt):
             h0 = vllm_ttft.snapshot(ref)
@@ -219,51 +269,65 @@ class Runner:
             own = vllm_ttft.engine_times(ref, h0, self._settle)
             return {"ttft_s": r["ttft_s"], "tpot_s": r["tpot_s"], "prompt_tokens": r["usage"].get("prompt_tokens"),
                     "engine_s": {"mono": own}, "parts_s": vllm_ttft.parts(r["ttft_s"], own)}
-        self._measure(name, {name: ref}, one_mono)
+        return {ref.name: ref}, one_mono
 
-    def _fronted(self, name: str, front, p, d, mode: str, what: str, parts: bool = False) -> None:
-        """Measures ``name``: HixlConnector ``mode`` through ``front`` (a ProxyProcess or RouterProcess)."""
+    def _front_arm(self, name: str, front, p, d, mode: str, what: str, parts: bool = False):
+        """HixlConnector ``mode`` through ``front`` (a ProxyProcess or RouterProcess), started here; None
+        (the failure recorded) when it does not start."""
         print(f"{name}: {what}", flush=True)
-        front.start()
+        arm = ({p.name: p, d.name: d}, lambda i, prompt: self._pd_row(p, d, front.url, mode, prompt, parts))
+        self.fronts[name] = front
         try:
-            self._measure(name, {p.name: p, d.name: d},
-                          lambda i, prompt: self._pd_row(p, d, front.url, mode, prompt, parts))
-        except Exception as e:  # a row that fails says why; the others stand
-            self.results[name] = {"failed": f"{type(e).__name__}: {e}", "front_log": front.tail(20),
-                                  "prefill_log": p.tail(20), "decode_log": d.tail(20)}
-            print(f"{name}: failed:", e, flush=True)
+            front.start()
+        except Exception as e:
+            self._failed(name, arm, e)
+            return None
+        return arm
+
+    def _run_arms(self, group: str, arms: Dict[str, Any]) -> None:
+        """Measures the arms that started, in turns, then stops their fronts."""
+        try:
+            self._measure(group, {k: v for k, v in arms.items() if v is not None})
         finally:
-            front.stop()
+            for name in arms:
+                front = self.fronts.get(name)
+                if front is not None and getattr(front, "proc", None) is not None:
+                    front.stop()
 
     def run_hixl(self, model: str) -> None:
         from hixl_tools.vllm_launch import ProxyProcess, RouterProcess, VllmInstance
 
         a, logs = self.args, self.logs
-        ref = VllmInstance("mono", model, cores="0", log_dir=logs)
-        p = VllmInstance("hixl-p", model, role="kv_producer", cores="0", log_dir=logs)
-        d = VllmInstance("hixl-d", model, role="kv_consumer", cores="1", log_dir=logs)
+        own = dict(log_dir=logs, whole_process=a.pin == "process")
+        ref = VllmInstance("mono", model, cores="0", **own)
+        p = VllmInstance("hixl-p", model, role="kv_producer", cores="0", **own)
+        d = VllmInstance("hixl-d", model, role="kv_consumer", cores="1", **own)
         insts = [ref, p, d]
         if "router-pull" in a.configs:  # a prefill whose answers say pull (vllm-router forwards them as they are)
-            insts.append(VllmInstance("hixl-p-pull", model, role="kv_producer", cores="0", log_dir=logs,
-                                      env={"HIXL_VLLM_MODE": "pull"}))
+            insts.append(VllmInstance("hixl-p-pull", model, role="kv_producer", cores="0",
+                                      env={"HIXL_VLLM_MODE": "pull"}, **own))
         for i in insts:
             i.start()
         try:
             for i in insts:
                 i.wait_ready()
+            arms: Dict[str, Any] = {}
             if "mono" in a.configs:
-                self._mono("mono", ref)
+                print("mono: one vLLM instance, no connector", flush=True)
+                arms["mono"] = self._mono_arm(ref)
             for mode in ("push", "pull"):
                 if mode in a.configs:
-                    self._fronted(f"hixl-{mode}", ProxyProcess([p.url], [d.url], log_dir=logs, name=f"proxy-{mode}",
-                                                               args=["--mode", mode]),
-                                  p, d, mode, f"1P1D HixlConnector through hixl proxy --mode {mode}",
-                                  parts=mode == "push")
+                    arms[f"hixl-{mode}"] = self._front_arm(
+                        f"hixl-{mode}", ProxyProcess([p.url], [d.url], log_dir=logs, name=f"proxy-{mode}",
+                                                     args=["--mode", mode]),
+                        p, d, mode, f"1P1D HixlConnector through hixl proxy --mode {mode}", parts=mode == "push")
             for mode, pre in (("push", p), ("pull", insts[-1])):
                 if f"router-{mode}" in a.configs:
-                    self._fronted(f"router-{mode}", RouterProcess([(pre.url, None)], [d.url], log_dir=logs,
-                                                                  name=f"router-{mode}"),
-                                  pre, d, mode, f"1P1D HixlConnector ({mode}) behind vllm-router, nixl mode")
+                    arms[f"router-{mode}"] = self._front_arm(
+                        f"router-{mode}", RouterProcess([(pre.url, None)], [d.url], log_dir=logs,
+                                                        name=f"router-{mode}"),
+                        pre, d, mode, f"1P1D HixlConnector ({mode}) behind vllm-router, nixl mode")
+            self._run_arms("hixl", arms)
         finally:
             for i in insts:
                 i.stop()
@@ -306,7 +370,8 @@ class Runner:
                                               "nixl==1.5.1 nixl-cu12==1.5.1"}
             print("nixl: skipped:", self.results[names[0]]["skipped"], flush=True)
             return
-        kw = dict(connector="NixlConnector", log_dir=self.logs)  # KV buffer on the CPU, UCX on loopback
+        kw = dict(connector="NixlConnector", log_dir=self.logs,  # KV buffer on the CPU, UCX on loopback
+                  whole_process=a.pin == "process")
         p = VllmInstance("nixl-p", model, role="kv_producer", cores="0",
                          env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(a.nixl_port)}, **kw).start()
         d = VllmInstance("nixl-d", model, role="kv_consumer", cores="1",
@@ -314,25 +379,21 @@ class Runner:
         try:
             for i in (p, d):
                 i.wait_ready()
-            for name in names:
-                router = None
+            arms: Dict[str, Any] = {}
+            insts = {p.name: p, d.name: d}
+            if "nixl" in names:
+                print("nixl: 1P1D NixlConnector (pull, UCX), the flow of vLLM's PD proxy", flush=True)
+                arms["nixl"] = (insts, lambda i, prompt: self._nixl_row(d, d.url, prompt, prefill_url=p.url))
+            if "router-nixl" in names:
+                print("router-nixl: 1P1D NixlConnector behind vllm-router, nixl mode", flush=True)
+                router = self.fronts["router-nixl"] = RouterProcess([(p.url, None)], [d.url], log_dir=self.logs,
+                                                                    name="router-nixl")
                 try:
-                    if name == "nixl":
-                        print("nixl: 1P1D NixlConnector (pull, UCX), the flow of vLLM's PD proxy", flush=True)
-                        self._measure(name, {"nixl-p": p, "nixl-d": d},
-                                      lambda i, prompt: self._nixl_row(d, d.url, prompt, prefill_url=p.url))
-                    else:
-                        print("router-nixl: 1P1D NixlConnector behind vllm-router, nixl mode", flush=True)
-                        router = RouterProcess([(p.url, None)], [d.url], log_dir=self.logs, name="router-nixl").start()
-                        self._measure(name, {"nixl-p": p, "nixl-d": d},
-                                      lambda i, prompt: self._nixl_row(d, router.url, prompt))
+                    router.start()
+                    arms["router-nixl"] = (insts, lambda i, prompt: self._nixl_row(d, router.url, prompt))
                 except Exception as e:  # NIXL on CPU is fragile: say why, keep what ran
-                    self.results[name] = {"failed": f"{type(e).__name__}: {e}", "prefill_log": p.tail(30),
-                                          "decode_log": d.tail(30)}
-                    print(f"{name}: failed:", e, flush=True)
-                finally:
-                    if router is not None:
-                        router.stop()
+                    self._failed("router-nixl", (insts, None), e)
+            self._run_arms("nixl", arms)
         finally:
             for i in (p, d):
                 i.stop()
@@ -342,6 +403,9 @@ class Runner:
         with a TP=1 instance of the same model as its reference."""
         from hixl_tools.vllm_launch import ProxyProcess, VllmInstance
 
+        # The TP=2 prefill needs both cores, so the decoder shares one with it whatever --pin says: bound
+        # whole to that core, the decoder's threads waited out the prefill rank's busy-wait after each
+        # step (~1 s) in most requests; with only the OpenMP threads bound, the rest can move.
         logs = self.logs
         ref = VllmInstance("tp-mono", tiny, cores="1", log_dir=logs)
         p = VllmInstance("tp2-p", tiny, role="kv_producer", tp=2, log_dir=logs)  # a core per rank
@@ -352,10 +416,10 @@ class Runner:
         try:
             for i in insts:
                 i.wait_ready()
-            self._mono("tp-mono", ref)
-            self._fronted("tp2-to-tp1", ProxyProcess([p.url], [d.url], log_dir=logs, name="proxy-tp",
-                                                     args=["--mode", "push"]),
-                          p, d, "push", "P TP=2 -> D TP=1, HixlConnector push through hixl proxy", parts=True)
+            print("tp-mono: one TP=1 instance of the tiny Llama, no connector", flush=True)
+            self._run_arms("tp", {"tp-mono": self._mono_arm(ref), "tp2-to-tp1": self._front_arm(
+                "tp2-to-tp1", ProxyProcess([p.url], [d.url], log_dir=logs, name="proxy-tp", args=["--mode", "push"]),
+                p, d, "push", "P TP=2 -> D TP=1, HixlConnector push through hixl proxy", parts=True)})
         except Exception as e:
             self.results["tp2-to-tp1"] = {"failed": f"{type(e).__name__}: {e}", "prefill_log": p.tail(30)}
             print("tp2-to-tp1: failed:", e, flush=True)
@@ -392,6 +456,12 @@ def summarize(doc: Dict[str, Any]) -> Dict[str, Any]:
             if s.get("ttft_parts_ms") and base.get("ttft_parts_ms") and s is not base:
                 s["ttft_parts_gap_ms"] = vllm_ttft.gap(s["ttft_parts_ms"], base["ttft_parts_ms"])
                 s["ttft_parts_gap_ms_ref"] = "tp-mono" if name.startswith("tp") else "mono"
+    for name, ref in PAIRED.items():  # the same prompts, in turns: TTFT ratio per prompt
+        rows, base = doc["results"].get(name), doc["results"].get(ref)
+        if isinstance(rows, list) and isinstance(base, list) and isinstance(summ.get(name), dict):
+            pp = paired.summary(paired.ratios(rows, base))
+            if pp:
+                summ[name]["ttft_vs_ref_paired"] = dict(pp, ref=ref)
     goals = _ratio_goals(summ)
     push, nixl = summ.get("hixl-push"), summ.get("nixl")
     if isinstance(push, dict) and isinstance(nixl, dict) and "ttft_ms" in push and "ttft_ms" in nixl:
@@ -421,15 +491,25 @@ def _ratio_goal(summ: Dict[str, Any], goal: str, num: str, den: str, limit: floa
     return {"goal": goal, "status": f"not measured: {why}"}
 
 
+def _paired_goal(summ: Dict[str, Any], goal: str, num: str, limit: float) -> Optional[Dict[str, Any]]:
+    """``num``'s TTFT over its reference's, per prompt (measured in turns): met or missed when the
+    median ratio's 95 % interval lies on one side of ``limit``, undecided otherwise."""
+    g = _ratio_goal(summ, goal, num, PAIRED[num], limit)
+    pp = (summ.get(num) or {}).get("ttft_vs_ref_paired") if isinstance(summ.get(num), dict) else None
+    if g is None or pp is None:
+        return g
+    g.update(ratio_of_medians=g.pop("ratio"), ratio=pp["median"], ci=pp["ci"], pairs=pp["n"],
+             status=paired.verdict(pp, limit))
+    return g
+
+
 def _ratio_goals(summ: Dict[str, Any]) -> List[Dict[str, Any]]:
     goals = [_ratio_goal(summ, "behind vllm-router, hixl push TTFT <= NixlConnector's (median)", "router-push",
                          "router-nixl", 1.0),
              _ratio_goal(summ, "behind vllm-router, hixl pull TTFT <= NixlConnector's (median)", "router-pull",
                          "router-nixl", 1.0),
-             _ratio_goal(summ, "behind hixl proxy, push TTFT <= 1.05x one instance's (median)", "hixl-push", "mono",
-                         1.05),
-             _ratio_goal(summ, "P TP=2 -> D TP=1 push TTFT <= 1.05x one TP=1 instance's (median)", "tp2-to-tp1",
-                         "tp-mono", 1.05)]
+             _paired_goal(summ, "behind hixl proxy, push TTFT <= 1.05x one instance's (median per prompt)",
+                          "hixl-push", 1.05)]
     return [g for g in goals if g is not None]
 
 
@@ -455,6 +535,7 @@ def table(doc: Dict[str, Any]) -> str:
     lines.append("")
     parts = vllm_ttft.table_lines(doc["summary"])
     lines += parts + [""] if parts else []
+    lines += _paired_lines(doc["summary"])
     for g in doc["goals"]:
         lines.append(f"goal: {g['goal']}: {g['status']}" + (f" (ratio {g['ratio']:.3f})" if "ratio" in g else ""))
     lines.append("")
@@ -466,6 +547,21 @@ def table(doc: Dict[str, Any]) -> str:
                             for t in p["threads"][:5])
             lines.append(f"  {cfg:<10} {inst:<8} [{env}] {top}")
     return "\n".join(lines)
+
+
+def _paired_lines(summary: Dict[str, Any]) -> List[str]:
+    """TTFT over the reference's per prompt (the two measured in turns): median, interval, per length."""
+    lines = []
+    for name, s in summary.items():
+        pp = s.get("ttft_vs_ref_paired") if isinstance(s, dict) else None
+        if not pp:
+            continue
+        ci = (f"{pp['level']:.0%} interval [{pp['ci'][0]:.3f}, {pp['ci'][1]:.3f}]" if pp["ci"] else
+              "too few for an interval")
+        by = "; ".join(f"{w} words: {v['median']:.3f} ({v['n']})" for w, v in (pp.get("by_words") or {}).items())
+        lines.append(f"{name} / {pp['ref']} TTFT per prompt, in turns: median {pp['median']:.3f}, {ci}, "
+                     f"{pp['n']} prompts" + (f"; by length: {by}" if by else ""))
+    return lines + [""] if lines else []
 
 
 def plot(doc: Dict[str, Any], path: str) -> bool:
@@ -497,7 +593,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="SmolLM2 in HF format (default: hixl model export into ~/.cache/hixl/smollm2-hf)")
     ap.add_argument("--out", default="bench/results/vllm_pd", help="output folder")
-    ap.add_argument("--requests", type=int, default=6, help="measured requests per configuration")
+    ap.add_argument("--requests", type=int, default=16,
+                    help="measured requests per configuration (16: a 95 %% interval for the per-prompt ratio "
+                         "between the 4th and the 13th of its values)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--words", default="500,900", help="prompt lengths in words, cycled (about 1.1 tokens each)")
     ap.add_argument("--max-tokens", type=int, default=16)
@@ -507,6 +605,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--tiny-model", help="the tiny Llama for the tp row (default: hixl model tiny-llama into "
                                          "~/.cache/hixl/tiny-llama)")
     ap.add_argument("--nixl-port", type=int, default=5600)
+    ap.add_argument("--gap-s", type=float, default=1.5,
+                    help="pause before each request: vLLM's workers and engine cores busy-wait (sched_yield) for "
+                         "1 s after their last message, and on a shared core the last request's instance would "
+                         "slow the next one's prefill (by ~15%% at 500 words, measured here)")
+    ap.add_argument("--pin", choices=("process", "omp"), default="process",
+                    help="process: each instance's every process on its core, as if on a host of its own (a "
+                         "decoder's vLLM engine core steps while its request waits for KV; unbound, it takes time "
+                         "from the prefill's core); omp: only the OpenMP threads, as the e2e tests run them")
     ap.add_argument("--from-json", help="redraw the report and plot of an earlier run")
     a = ap.parse_args(argv)
     if a.from_json:
@@ -536,7 +642,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             return 2
         run.run_tp(tiny)
     doc = {"args": {"requests": a.requests, "warmup": a.warmup, "words": a.words, "max_tokens": a.max_tokens,
-                    "configs": sorted(a.configs)},
+                    "configs": sorted(a.configs), "pin": a.pin, "gap_s": a.gap_s},
            "host": {"cpus": os.cpu_count()}, "wall_s": time.monotonic() - t0,
            "results": run.results, "placement": run.placement}
     doc.update(summarize(doc))

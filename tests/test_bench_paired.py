@@ -1,18 +1,21 @@
-"""bench/paired.py, the per-prompt comparisons of bench/vllm_pd.py: the median's distribution-free
-interval against a reference computed by brute force over sign patterns, the per-prompt ratios and the
-goal's verdict."""
+"""bench/vllm_pd.py's comparisons, without vLLM: the median's distribution-free interval against a
+reference computed from the binomial distribution by brute force, the per-prompt ratios and the goal's
+verdict, and the runner's turns (the order, the shared prompts, an arm that fails) over stand-in arms."""
 from __future__ import annotations
 
 import os
 import random
+import re
 import sys
 from itertools import product
+from types import SimpleNamespace
 
 import pytest
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
 sys.path.insert(0, BENCH)
 import paired  # noqa: E402
+import vllm_pd  # noqa: E402
 
 
 def _coverage(n: int, k: int) -> float:
@@ -58,6 +61,68 @@ def test_ratios_pair_rows_by_prompt_and_summary_splits_by_length():
 def test_the_verdict_decides_only_when_the_interval_is_on_one_side(ratios, want):
     v = paired.verdict(paired.summary([{"i": i, "ratio": x} for i, x in enumerate(ratios)]), 1.05)
     assert v == want or v.startswith(want + " ") or v.startswith(want + ":"), v
+
+
+class _Inst:
+    def __init__(self, name):
+        self.name, self.env = name, {}
+        self.proc = SimpleNamespace(pid=os.getpid())
+
+    def tail(self, n=20):
+        return f"{self.name}'s log"
+
+
+def _runner(requests=4, words="500,900"):
+    args = SimpleNamespace(requests=requests, warmup=1, words=[int(w) for w in words.split(",")], gap_s=0.0,
+                           out="", max_tokens=1)
+    r = vllm_pd.Runner.__new__(vllm_pd.Runner)  # no output folder
+    r.args, r.results, r.placement, r.fronts = args, {}, {}, {}
+    return r
+
+
+def test_arms_go_in_turns_pairs_share_prompts_and_a_failing_arm_leaves_the_rest(capsys):
+    mono, p, d = _Inst("mono"), _Inst("p"), _Inst("d")
+    calls = []
+
+    def arm(name, fail_at=None):
+        def one(i, prompt):
+            calls.append((name, i, prompt))
+            if i == fail_at:
+                raise RuntimeError(f"{name} broke at {i}")
+            return {"ttft_s": 1.0 + 0.01 * i, "prompt_tokens": len(prompt.split())}
+        return one
+
+    r = _runner()
+    r._measure("g", {"mono": ({"mono": mono}, arm("mono")), "push": ({"p": p, "d": d}, arm("push")),
+                     "pull": ({"p": p, "d": d}, arm("pull", fail_at=2))})
+    measured = [(n, i) for n, i, _ in calls if i >= 0]
+    # each round in a rotated order; pull leaves after its failure at round 2
+    assert measured == [("mono", 0), ("push", 0), ("pull", 0), ("push", 1), ("pull", 1), ("mono", 1),
+                        ("pull", 2), ("mono", 2), ("push", 2), ("push", 3), ("mono", 3)]
+    prompts = {(n, i): pr for n, i, pr in calls}
+    for i in range(4):  # mono and push share each prompt; pull, on push's instances, gets another
+        assert prompts[("mono", i)] == prompts[("push", i)]
+        if i < 3:
+            assert prompts[("pull", i)] != prompts[("push", i)]
+            strip = lambda s: re.sub(r"^\[[0-9a-f]+\] ", "", s)  # noqa: E731
+            assert strip(prompts[("pull", i)]) == strip(prompts[("push", i)])
+    assert [row["i"] for row in r.results["push"]] == [0, 1, 2, 3]
+    assert [row["words"] for row in r.results["mono"]] == [500, 900, 500, 900]
+    assert r.results["pull"]["failed"] == "RuntimeError: pull broke at 2" and "p_log" in r.results["pull"]
+    assert set(r.placement["g"]) == {"mono", "p", "d"}
+    summ = vllm_pd.summarize({"results": r.results})["summary"]
+    assert summ["push"]["ttft_ms"]["median"] == pytest.approx(1015.0)
+
+
+def test_the_push_goal_uses_the_per_prompt_ratio_and_its_interval():
+    mono = [{"i": i, "words": 500, "ttft_s": 2.0 + 0.3 * (i % 3), "prompt_tokens": 560} for i in range(16)]
+    push = [dict(m, ttft_s=m["ttft_s"] * 1.02) for m in mono]
+    doc = vllm_pd.summarize({"results": {"mono": mono, "hixl-push": push}})
+    g = next(g for g in doc["goals"] if "hixl proxy" in g["goal"])
+    assert g["status"] == "met" and g["ratio"] == pytest.approx(1.02) and g["pairs"] == 16
+    assert g["ci"] == [pytest.approx(1.02), pytest.approx(1.02)]
+    lines = vllm_pd._paired_lines(doc["summary"])
+    assert lines[0].startswith("hixl-push / mono TTFT per prompt, in turns: median 1.020, 95% interval")
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to tell a binding from none")
