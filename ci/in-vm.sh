@@ -3,7 +3,7 @@
 # rdma tests beside the VM's benchmark smoke runs (ci/bench.sh --smoke vm-guest) on the same rxe0.
 # Reports go to ci-artifacts/ (plots are drawn on the host: ci/bench.sh vm-report).
 set -uo pipefail
-log() { echo "[ci] $*"; }
+log() { echo "[ci $(cut -d" " -f1 /proc/uptime) s] $*"; }  # the guest's uptime: when each phase began and ended
 ART="${RXE_ARTIFACTS:-ci-artifacts}"
 PY="${PYTHON:-python3}"
 export HIXL_REQUIRE_RDMA=1
