@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """vLLM prefill/decode disaggregation on this host, in one run: the same prompts through
-(a) one vLLM instance (mono), (b) 1P1D HixlConnector push (layer-wise, through ``hixl proxy``),
-(c) 1P1D HixlConnector pull, (d) 1P1D vLLM's NixlConnector (nixl-cu12, UCX on loopback, pull, the flow of
-vLLM's own PD proxy: prefill, then decode with the prefill's kv_transfer_params). On request (``--configs``,
+(a) one vLLM instance (mono) and the prefill instance of (b) serving requests by itself (p-alone),
+(b) 1P1D HixlConnector push (layer-wise, through ``hixl proxy``), (c) 1P1D HixlConnector pull, (d) 1P1D
+vLLM's NixlConnector (nixl-cu12, UCX on loopback, pull, the flow of vLLM's own PD proxy: prefill, then
+decode with the prefill's kv_transfer_params). On request (``--configs``,
 ``all``): HixlConnector push and pull behind ``vllm-router`` in its nixl mode (router-push, router-pull),
 NixlConnector behind the same router (router-nixl), and P TP=2 -> D TP=1 (push through ``hixl proxy``) on
 the tiny Llama of ``hixl model tiny-llama`` with a TP=1 instance of it as its reference (tp-mono, tp2-to-tp1).
@@ -20,12 +21,15 @@ JSON, so a spinning progress thread shows. A configuration that fails records wh
 
 Requests go one at a time (TTFT without queueing); each prompt starts with a nonce (no prefix-cache hit).
 Each instance runs, all its processes, on its own core (``--pin process``; ``omp`` binds only the OpenMP
-threads, as the TP row does: its prefill needs both cores) and each request starts after a quiet pause (``--gap-s``), so no other instance's busy-waiting
-shares the core of a measured prefill: the stand-in for a host per instance that 2 cores allow.
+threads, as the TP row does: its prefill needs both cores) and each request starts after a quiet pause
+(``--gap-s``), so no other instance's busy-waiting shares the core of a measured prefill: the stand-in for
+a host per instance that 2 cores allow.
 The configurations that share a set of instances, or run beside their reference, are measured in turns
 (request i of each before request i + 1 of any), so the host's drift falls on all of them alike; mono and
 push (and the TP row and its reference) get the same prompts, and their TTFT ratio is also taken per prompt,
-with a distribution-free 95 % interval for its median (``bench/paired.py``). Goals, from one run (evaluated,
+with a distribution-free 95 % interval for its median (``bench/paired.py``); ``p-alone``, the prefill
+instance serving requests by itself, is push's second reference, free of the difference between two
+instances' own speeds. Goals, from one run (evaluated,
 printed, never an exit status): hixl push TTFT <= NixlConnector's, hixl push's exposed transfer time <= 0.5x
 NixlConnector's transfer time, and behind vllm-router hixl TTFT (push, pull) <= NixlConnector's, as ratios
 of medians; behind hixl proxy, push TTFT <= 1.05x one instance's, per prompt: met or missed when the
@@ -56,10 +60,12 @@ import vllm_ttft
 WORDS = ("river stone light north garden paper silver window market cloud music table orange engine winter "
          "bridge forest letter summer island doctor planet yellow camera").split()
 MIB = float(2 ** 20)
-ALL_CONFIGS = ("mono", "push", "pull", "nixl", "router-push", "router-pull", "router-nixl", "tp")
-# Configurations measured in turns with their reference, on the same prompts: their TTFT ratio per prompt.
-PAIRED = {"hixl-push": "mono", "hixl-pull": "mono", "router-push": "mono", "router-pull": "mono",
-          "tp2-to-tp1": "tp-mono"}
+ALL_CONFIGS = ("mono", "p-alone", "push", "pull", "nixl", "router-push", "router-pull", "router-nixl", "tp")
+# (configuration, reference) measured in turns on prompts of the same length: their TTFT ratio per prompt.
+# p-alone is the prefill instance serving a request by itself: push over it is free of the difference
+# between two instances' own speeds, which the per-prompt interval does not cover.
+PAIRED = (("hixl-push", "mono"), ("hixl-pull", "mono"), ("router-push", "mono"), ("router-pull", "mono"),
+          ("tp2-to-tp1", "tp-mono"), ("hixl-push", "p-alone"))
 
 
 def _pct(xs: List[float], q: float) -> Optional[float]:
@@ -327,6 +333,9 @@ class Runner:
                         f"router-{mode}", RouterProcess([(pre.url, None)], [d.url], log_dir=logs,
                                                         name=f"router-{mode}"),
                         pre, d, mode, f"1P1D HixlConnector ({mode}) behind vllm-router, nixl mode")
+            if "p-alone" in a.configs:  # last: the arms before it on the prefill have the shared prompts
+                print("p-alone: the prefill instance serving requests by itself (no transfer)", flush=True)
+                arms["p-alone"] = self._mono_arm(p)
             self._run_arms("hixl", arms)
         finally:
             for i in insts:
@@ -456,12 +465,12 @@ def summarize(doc: Dict[str, Any]) -> Dict[str, Any]:
             if s.get("ttft_parts_ms") and base.get("ttft_parts_ms") and s is not base:
                 s["ttft_parts_gap_ms"] = vllm_ttft.gap(s["ttft_parts_ms"], base["ttft_parts_ms"])
                 s["ttft_parts_gap_ms_ref"] = "tp-mono" if name.startswith("tp") else "mono"
-    for name, ref in PAIRED.items():  # the same prompts, in turns: TTFT ratio per prompt
+    for name, ref in PAIRED:  # the same prompts, in turns: TTFT ratio per prompt
         rows, base = doc["results"].get(name), doc["results"].get(ref)
         if isinstance(rows, list) and isinstance(base, list) and isinstance(summ.get(name), dict):
             pp = paired.summary(paired.ratios(rows, base))
             if pp:
-                summ[name]["ttft_vs_ref_paired"] = dict(pp, ref=ref)
+                summ[name].setdefault("ttft_paired", {})[ref] = pp
     goals = _ratio_goals(summ)
     push, nixl = summ.get("hixl-push"), summ.get("nixl")
     if isinstance(push, dict) and isinstance(nixl, dict) and "ttft_ms" in push and "ttft_ms" in nixl:
@@ -494,8 +503,9 @@ def _ratio_goal(summ: Dict[str, Any], goal: str, num: str, den: str, limit: floa
 def _paired_goal(summ: Dict[str, Any], goal: str, num: str, limit: float) -> Optional[Dict[str, Any]]:
     """``num``'s TTFT over its reference's, per prompt (measured in turns): met or missed when the
     median ratio's 95 % interval lies on one side of ``limit``, undecided otherwise."""
-    g = _ratio_goal(summ, goal, num, PAIRED[num], limit)
-    pp = (summ.get(num) or {}).get("ttft_vs_ref_paired") if isinstance(summ.get(num), dict) else None
+    ref = next(r for n, r in PAIRED if n == num)  # the first listed: one instance without a connector
+    g = _ratio_goal(summ, goal, num, ref, limit)
+    pp = (summ[num].get("ttft_paired") or {}).get(ref) if isinstance(summ.get(num), dict) else None
     if g is None or pp is None:
         return g
     g.update(ratio_of_medians=g.pop("ratio"), ratio=pp["median"], ci=pp["ci"], pairs=pp["n"],
@@ -553,14 +563,12 @@ def _paired_lines(summary: Dict[str, Any]) -> List[str]:
     """TTFT over the reference's per prompt (the two measured in turns): median, interval, per length."""
     lines = []
     for name, s in summary.items():
-        pp = s.get("ttft_vs_ref_paired") if isinstance(s, dict) else None
-        if not pp:
-            continue
-        ci = (f"{pp['level']:.0%} interval [{pp['ci'][0]:.3f}, {pp['ci'][1]:.3f}]" if pp["ci"] else
-              "too few for an interval")
-        by = "; ".join(f"{w} words: {v['median']:.3f} ({v['n']})" for w, v in (pp.get("by_words") or {}).items())
-        lines.append(f"{name} / {pp['ref']} TTFT per prompt, in turns: median {pp['median']:.3f}, {ci}, "
-                     f"{pp['n']} prompts" + (f"; by length: {by}" if by else ""))
+        for ref, pp in ((s.get("ttft_paired") or {}) if isinstance(s, dict) else {}).items():
+            ci = (f"{pp['level']:.0%} interval [{pp['ci'][0]:.3f}, {pp['ci'][1]:.3f}]" if pp["ci"] else
+                  "too few for an interval")
+            by = "; ".join(f"{w} words: {v['median']:.3f} ({v['n']})" for w, v in (pp.get("by_words") or {}).items())
+            lines.append(f"{name} / {ref} TTFT per prompt, in turns: median {pp['median']:.3f}, {ci}, "
+                         f"{pp['n']} prompts" + (f"; by length: {by}" if by else ""))
     return lines + [""] if lines else []
 
 
@@ -599,7 +607,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--words", default="500,900", help="prompt lengths in words, cycled (about 1.1 tokens each)")
     ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--configs", default="mono,push,pull,nixl",
+    ap.add_argument("--configs", default="mono,p-alone,push,pull,nixl",
                     help=f"comma-separated, or 'all' ({','.join(ALL_CONFIGS)}): router-* put vllm-router (nixl mode) "
                          "in front; tp is P TP=2 -> D TP=1 on the tiny Llama (hixl model tiny-llama)")
     ap.add_argument("--tiny-model", help="the tiny Llama for the tp row (default: hixl model tiny-llama into "
@@ -632,7 +640,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     run = Runner(a)
     t0 = time.monotonic()
-    if a.configs & {"mono", "push", "pull", "router-push", "router-pull"}:
+    if a.configs & {"mono", "p-alone", "push", "pull", "router-push", "router-pull"}:
         run.run_hixl(model)
     if a.configs & {"nixl", "router-nixl"}:
         run.run_nixl(model)
