@@ -191,6 +191,8 @@ class Runner:
         t0 = time.monotonic()
         rows: Dict[str, List[Dict[str, Any]]] = {n: [] for n in live}
         for i in range(a.requests):
+            if not live:  # every arm failed
+                break
             words = a.words[i % len(a.words)]
             base, seen, prompts = _prompt(words, i), set(), {}
             for name, (ii, _) in live.items():  # the first arm on a set of instances gets the shared prompt
@@ -402,6 +404,7 @@ class Runner:
                     arms["router-nixl"] = (insts, lambda i, prompt: self._nixl_row(d, router.url, prompt))
                 except Exception as e:  # NIXL on CPU is fragile: say why, keep what ran
                     self._failed("router-nixl", (insts, None), e)
+                    arms["router-nixl"] = None  # not measured; _run_arms still stops its router
             self._run_arms("nixl", arms)
         finally:
             for i in (p, d):

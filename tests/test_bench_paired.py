@@ -147,3 +147,13 @@ def test_a_whole_process_instance_runs_every_process_on_its_cores(tmp_path):
         assert f"parent {want}" in log and f"child {want}" in log, log
     with pytest.raises(ValueError, match="whole_process needs cores"):
         VllmInstance("x", "none", whole_process=True)
+
+
+def test_a_run_whose_every_arm_fails_records_each_and_ends():
+    def broken(i, prompt):
+        raise OSError("connection refused")
+
+    r = _runner()
+    r._measure("g", {"mono": ({"mono": _Inst("mono")}, broken), "push": ({"p": _Inst("p")}, broken)})
+    assert r.results == {n: dict(r.results[n], failed="OSError: connection refused") for n in ("mono", "push")}
+    assert r.placement["g"] == {}
