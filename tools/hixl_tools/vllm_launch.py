@@ -150,13 +150,13 @@ class VllmInstance:
         return ktc
 
     def start(self) -> "VllmInstance":
+        # taskset sets the affinity and execs (same pid), so everything the instance starts inherits it
+        bind = ["taskset", "-c", ",".join(str(c) for c in sorted(self.cpus))] if self.cpus else []
         self._log = open(self.log_path, "ab")
-        self._log.write(f"$ {' '.join(self.cmd)}\n".encode())
+        self._log.write(f"$ {' '.join(bind + self.cmd)}\n".encode())
         self._log.flush()
-        cpus = self.cpus
-        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True,
-                                     preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus))
+        self.proc = subprocess.Popen(bind + self.cmd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
         return self
 
     def healthy(self) -> bool:
