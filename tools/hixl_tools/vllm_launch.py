@@ -123,11 +123,11 @@ class VllmInstance:
             for k in ("OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND"):
                 self.env.pop(k, None)
         self.env.update(env)
-        self.cpus: Optional[set] = None
-        if whole_process:
-            if not cores:
-                raise ValueError(f"VllmInstance {name}: whole_process needs cores")
-            self.cpus = {int(c) for c in re.split(r"[|,]", cores)}
+        if whole_process and not cores:
+            raise ValueError(f"VllmInstance {name}: whole_process needs cores")
+        # taskset sets the affinity and execs (same pid), so everything the instance starts inherits it;
+        # it reads the cores as VLLM_CPU_OMP_THREADS_BIND writes them, with "," for the ranks' "|"
+        self.bind = ["taskset", "-c", cores.replace("|", ",")] if whole_process else []
         self.proc: Optional[subprocess.Popen] = None
 
     def _kv_config(self, role: str, extra: Optional[Dict[str, Any]], failure_policy: Optional[str],
@@ -150,12 +150,10 @@ class VllmInstance:
         return ktc
 
     def start(self) -> "VllmInstance":
-        # taskset sets the affinity and execs (same pid), so everything the instance starts inherits it
-        bind = ["taskset", "-c", ",".join(str(c) for c in sorted(self.cpus))] if self.cpus else []
         self._log = open(self.log_path, "ab")
-        self._log.write(f"$ {' '.join(bind + self.cmd)}\n".encode())
+        self._log.write(f"$ {' '.join(self.bind + self.cmd)}\n".encode())
         self._log.flush()
-        self.proc = subprocess.Popen(bind + self.cmd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen(self.bind + self.cmd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
         return self
 
