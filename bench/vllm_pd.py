@@ -279,11 +279,17 @@ class Runner:
                     "engine_s": {"mono": own}, "parts_s": vllm_ttft.parts(r["ttft_s"], own)}
         return {ref.name: ref}, one_mono
 
-    def _front_arm(self, name: str, front, p, d, mode: str, what: str, parts: bool = False):
-        """HixlConnector ``mode`` through ``front`` (a ProxyProcess or RouterProcess), started here; None
-        (the failure recorded) when it does not start."""
+    def _hixl_arm(self, name: str, front, p, d, mode: str, what: str, parts: bool = False):
+        """HixlConnector ``mode`` through ``front`` (a ProxyProcess or RouterProcess)."""
+        def one(i, prompt):
+            return self._pd_row(p, d, front.url, mode, prompt, parts)
+        return self._front_arm(name, front, (p, d), one, what)
+
+    def _front_arm(self, name: str, front, insts, one, what: str):
+        """The arm ``one`` on ``insts`` behind ``front``, started here; None (the failure recorded) when
+        it does not start. ``_run_arms`` stops it either way."""
         print(f"{name}: {what}", flush=True)
-        arm = ({p.name: p, d.name: d}, lambda i, prompt: self._pd_row(p, d, front.url, mode, prompt, parts))
+        arm = ({i.name: i for i in insts}, one)
         self.fronts[name] = front
         try:
             front.start()
@@ -325,13 +331,13 @@ class Runner:
                 arms["mono"] = self._mono_arm(ref)
             for mode in ("push", "pull"):
                 if mode in a.configs:
-                    arms[f"hixl-{mode}"] = self._front_arm(
+                    arms[f"hixl-{mode}"] = self._hixl_arm(
                         f"hixl-{mode}", ProxyProcess([p.url], [d.url], log_dir=logs, name=f"proxy-{mode}",
                                                      args=["--mode", mode]),
                         p, d, mode, f"1P1D HixlConnector through hixl proxy --mode {mode}", parts=mode == "push")
             for mode, pre in (("push", p), ("pull", insts[-1])):
                 if f"router-{mode}" in a.configs:
-                    arms[f"router-{mode}"] = self._front_arm(
+                    arms[f"router-{mode}"] = self._hixl_arm(
                         f"router-{mode}", RouterProcess([(pre.url, None)], [d.url], log_dir=logs,
                                                         name=f"router-{mode}"),
                         pre, d, mode, f"1P1D HixlConnector ({mode}) behind vllm-router, nixl mode")
@@ -396,15 +402,10 @@ class Runner:
                 print("nixl: 1P1D NixlConnector (pull, UCX), the flow of vLLM's PD proxy", flush=True)
                 arms["nixl"] = (insts, lambda i, prompt: self._nixl_row(d, d.url, prompt, prefill_url=p.url))
             if "router-nixl" in names:
-                print("router-nixl: 1P1D NixlConnector behind vllm-router, nixl mode", flush=True)
-                router = self.fronts["router-nixl"] = RouterProcess([(p.url, None)], [d.url], log_dir=self.logs,
-                                                                    name="router-nixl")
-                try:
-                    router.start()
-                    arms["router-nixl"] = (insts, lambda i, prompt: self._nixl_row(d, router.url, prompt))
-                except Exception as e:  # NIXL on CPU is fragile: say why, keep what ran
-                    self._failed("router-nixl", (insts, None), e)
-                    arms["router-nixl"] = None  # not measured; _run_arms still stops its router
+                router = RouterProcess([(p.url, None)], [d.url], log_dir=self.logs, name="router-nixl")
+                arms["router-nixl"] = self._front_arm("router-nixl", router, (p, d),
+                                                      lambda i, prompt: self._nixl_row(d, router.url, prompt),
+                                                      "1P1D NixlConnector behind vllm-router, nixl mode")
             self._run_arms("nixl", arms)
         finally:
             for i in (p, d):
@@ -429,7 +430,7 @@ class Runner:
             for i in insts:
                 i.wait_ready()
             print("tp-mono: one TP=1 instance of the tiny Llama, no connector", flush=True)
-            self._run_arms("tp", {"tp-mono": self._mono_arm(ref), "tp2-to-tp1": self._front_arm(
+            self._run_arms("tp", {"tp-mono": self._mono_arm(ref), "tp2-to-tp1": self._hixl_arm(
                 "tp2-to-tp1", ProxyProcess([p.url], [d.url], log_dir=logs, name="proxy-tp", args=["--mode", "push"]),
                 p, d, "push", "P TP=2 -> D TP=1, HixlConnector push through hixl proxy", parts=True)})
         except Exception as e:
