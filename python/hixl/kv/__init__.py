@@ -12,6 +12,11 @@ What an inference engine imports. It sits on :class:`hixl.Hixl` and so runs over
   inside); :meth:`KVReceiver.expect` and :meth:`KVSender.add_request` then work on the owner's block
   ids, with no staging copy. :func:`block_desc_array` is the one place transfer descriptors are built: a
   numpy descriptor array per transfer, no Python object per descriptor.
+* Several KV cache groups in one cache (vLLM's hybrid KV cache: full attention, sliding window, the MLA
+  latent, Mamba state): :class:`KVGroups` gives each group its :class:`KVLayout` (``kind`` ``kv``,
+  ``latent`` or ``state``) and :class:`BlockMemory`; :meth:`KVPool.wrap_groups` registers memory the
+  groups share once; a request then has block ids per group (``None``: a block it does not hold, e.g.
+  behind a sliding window), a grant one :class:`GroupGrant` per group, and still one completion flag.
 * Tensor parallelism with a different TP on the two sides: a :class:`HeadSlice` says which KV heads a
   side's blocks hold; :func:`sliced_desc_array` moves only the heads both hold, in place (a grant or a
   pull source with ``heads`` does so).
@@ -33,7 +38,8 @@ until that flag arrives or :meth:`KVReceiver.reclaim` is called, so a late write
 another request's blocks.
 """
 from .errors import KVError, KVTimeout, PoolExhausted, TransferFailed
-from .grant import Grant
+from .grant import Grant, GroupGrant
+from .groups import KVGroups
 from .heads import HeadSlice, head_range, head_sources, sliced_desc_array
 from .layout import BlockMemory, KVLayout, block_desc_array, block_descs
 from .pool import KVPool
@@ -42,6 +48,7 @@ from .sender import KVSender, union_seconds
 
 __all__ = [
     "KVError", "PoolExhausted", "KVTimeout", "TransferFailed",
-    "KVLayout", "BlockMemory", "block_desc_array", "block_descs", "KVPool", "Grant", "KVReceiver", "KVSender",
+    "KVLayout", "BlockMemory", "block_desc_array", "block_descs", "KVPool", "Grant", "GroupGrant", "KVGroups",
+    "KVReceiver", "KVSender",
     "union_seconds", "HeadSlice", "head_range", "head_sources", "sliced_desc_array",
 ]

@@ -9,6 +9,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 import numpy as np
 
 _DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int8": 1, "uint8": 1, "float8": 1}
+KINDS = ("kv", "latent", "state")
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,11 @@ class KVLayout:
     A block holds ``block_tokens`` tokens of one (layer, K|V): ``[block_tokens, n_kv_heads, head_dim]``
     elements, contiguous. ``dtype`` is a name (``float32``, ``float16``, ``bfloat16``, ...); numpy
     has no bfloat16, so its views use ``uint16`` bit patterns.
+
+    ``kind`` says what a block holds: ``"kv"`` K and V (two planes, the default); ``"latent"`` one
+    tensor per token and layer (MLA's compressed latent, ``n_kv_heads`` 1 and ``head_dim`` the latent
+    width); ``"state"`` one request's recurrent state after the block's tokens (Mamba / linear
+    attention: conv and SSM state), ``n_kv_heads * head_dim`` elements per block whatever its tokens.
     """
 
     n_layers: int
@@ -25,6 +31,7 @@ class KVLayout:
     head_dim: int
     dtype: str = "float16"
     block_tokens: int = 16
+    kind: str = "kv"
 
     def __post_init__(self) -> None:
         for name in ("n_layers", "n_kv_heads", "head_dim", "block_tokens"):
@@ -33,6 +40,8 @@ class KVLayout:
                 raise ValueError(f"KVLayout.{name} must be a positive int, not {v!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"KVLayout.dtype {self.dtype!r} is not one of {sorted(_DTYPES)}")
+        if self.kind not in KINDS:
+            raise ValueError(f"KVLayout.kind {self.kind!r} is not one of {KINDS}")
 
     @property
     def itemsize(self) -> int:
@@ -44,21 +53,30 @@ class KVLayout:
         return np.dtype({"bfloat16": "uint16", "float8": "uint8"}.get(self.dtype, self.dtype))
 
     @property
+    def planes(self) -> int:
+        """Tensors per (layer, block): 2 (K and V) for ``kv``, 1 otherwise."""
+        return 2 if self.kind == "kv" else 1
+
+    @property
     def token_bytes(self) -> int:
-        """Bytes of one token's K (or V) in one layer."""
+        """Bytes of one token's K (or V, or latent) in one layer (of a state: its whole block)."""
         return self.n_kv_heads * self.head_dim * self.itemsize
 
     @property
     def block_bytes(self) -> int:
-        return self.block_tokens * self.token_bytes
+        """Bytes of one block of one plane."""
+        return self.token_bytes if self.kind == "state" else self.block_tokens * self.token_bytes
 
     def blocks_for(self, n_tokens: int) -> int:
         return -(-int(n_tokens) // self.block_tokens)
 
     def kv_bytes(self, n_tokens: int, layers: Optional[Tuple[int, int]] = None) -> int:
-        """Bytes of K plus V of ``n_tokens`` tokens over ``layers`` (default: all)."""
+        """Bytes of K plus V (every plane) of ``n_tokens`` tokens over ``layers`` (default: all); of a
+        state, its blocks'."""
         lo, hi = layers or (0, self.n_layers)
-        return (hi - lo) * 2 * int(n_tokens) * self.token_bytes
+        if self.kind == "state":
+            return (hi - lo) * self.blocks_for(n_tokens) * self.block_bytes
+        return (hi - lo) * self.planes * int(n_tokens) * self.token_bytes
 
     def fingerprint(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
@@ -135,10 +153,14 @@ class BlockMemory:
         """Raises ValueError when this memory cannot hold ``layout``."""
         if len(self.layer_addrs) != layout.n_layers:
             raise ValueError(f"BlockMemory has {len(self.layer_addrs)} layers, the layout {layout.n_layers}")
-        want = layout.block_bytes * (2 // self.parts)
+        if layout.planes % self.parts:
+            raise ValueError(f"BlockMemory has {self.parts} parts per block, a {layout.kind} layout "
+                             f"{layout.planes} plane(s)")
+        per = layout.planes // self.parts
+        want = layout.block_bytes * per
         if self.unit_bytes != want:
             raise ValueError(f"BlockMemory.unit_bytes is {self.unit_bytes}, the layout needs {want} "
-                             f"({layout.block_tokens} tokens x {layout.token_bytes} B x {2 // self.parts})")
+                             f"({layout.block_bytes} B per {layout.kind} block x {per})")
 
     def to_dict(self) -> Dict[str, Any]:
         d = asdict(self)
@@ -178,7 +200,7 @@ def block_desc_array(layout: KVLayout, local: BlockMemory, local_blocks: Sequenc
     lb = np.asarray([local_blocks[x] for x in js], np.int64)
     rb = np.asarray([remote_blocks[x] for x in js], np.int64)
     n = np.full(len(js), local.unit_bytes, np.int64)
-    if local.token_major and remote.token_major:
+    if local.token_major and remote.token_major and layout.kind != "state":
         tail = n_tokens - (nb - 1) * layout.block_tokens  # tokens in the last block
         n[j == nb - 1] = local.unit_bytes * tail // layout.block_tokens
     parts = np.arange(local.parts, dtype=np.int64)

@@ -11,6 +11,7 @@ import numpy as np
 from ..engine import Hixl
 from ..types import SUCCESS, MemDesc, MemType
 from .errors import KVError, PoolExhausted
+from .groups import KVGroups
 from .layout import BlockMemory, KVLayout
 
 _PAGE = 4096
@@ -57,6 +58,9 @@ class KVPool:
     :meth:`KVPool.wrap` makes a pool over memory somebody else allocated and owns (an inference
     engine's KV cache) in that owner's layout (:class:`BlockMemory`): it registers it and nothing
     more; its blocks are handed out by the owner, not by :attr:`blocks`, and it has no aux area.
+    :meth:`KVPool.wrap_groups` does so for several KV cache groups (:class:`KVGroups`, e.g. vLLM's
+    hybrid cache); :attr:`groups` is the pool's groups (one for the other pools), :attr:`layout` and
+    :attr:`memory` its first group's.
     """
 
     external = False
@@ -67,6 +71,9 @@ class KVPool:
             raise ValueError(f"num_blocks must be a positive int, not {num_blocks!r}")
         if memory not in ("acl", "host"):
             raise ValueError(f"memory must be 'acl' or 'host', not {memory!r}")
+        if layout.kind != "kv":
+            raise ValueError(f"KVPool lays out K and V blocks; a {layout.kind} layout needs memory of its "
+                             f"owner's (KVPool.wrap)")
         self.engine, self.layout, self.num_blocks = engine, layout, num_blocks
         self.max_requests = int(max_requests or num_blocks)
         self.aux_bytes = int(aux_bytes)
@@ -98,6 +105,7 @@ class KVPool:
             layer_addrs=tuple(self.addr + self.offset(layer, 0, 0) for layer in range(layout.n_layers)),
             num_blocks=num_blocks, block_stride=layout.block_bytes, unit_bytes=layout.block_bytes, parts=2,
             part_stride=num_blocks * layout.block_bytes, token_major=True)
+        self.groups = KVGroups.single(layout, self.memory)
 
     @classmethod
     def wrap(cls, engine: Hixl, layout: KVLayout, memory: BlockMemory, *,
@@ -106,16 +114,23 @@ class KVPool:
         out as ``memory`` says. Registers the ranges it covers (adjacent layers merged into one
         region) with ``engine``; :meth:`close` deregisters them and frees nothing."""
         memory.check(layout)
+        return cls.wrap_groups(engine, KVGroups.single(layout, memory), mem_type=mem_type)
+
+    @classmethod
+    def wrap_groups(cls, engine: Hixl, groups: KVGroups, *, mem_type: MemType = MemType.MEM_HOST) -> "KVPool":
+        """:meth:`wrap` for several KV cache groups: each group's memory as its :class:`BlockMemory`
+        says; memory the groups share is registered once."""
         self = cls.__new__(cls)
-        self.engine, self.layout, self.memory = engine, layout, memory
-        self.num_blocks = memory.num_blocks
+        self.engine, self.groups = engine, groups
+        self.layout, self.memory = groups.layouts[0], groups.memories[0]
+        self.num_blocks = self.memory.num_blocks
         self.external = True
         self.max_requests, self.aux_bytes, self.aux_offset = 0, 0, 0
         self._acl_addr, self._host, self._handle = 0, None, None
         self.blocks = None  # the owner hands out the blocks
         self.aux_slots = None
         self._handles = []
-        ranges = memory.ranges()
+        ranges = groups.ranges()
         self.addr, self.nbytes = ranges[0][0], sum(n for _, n in ranges)
         for a, n in ranges:
             rc, h = engine.register_mem(MemDesc(a, n), mem_type)
@@ -171,22 +186,29 @@ class KVPool:
             t += n
 
     def unit(self, layer: int, part: int, block: int) -> np.ndarray:
-        """The bytes of one transfer unit (a view, no copy); for wrapped memory too."""
-        m = self.memory
-        if not (0 <= layer < len(m.layer_addrs) and 0 <= part < m.parts and 0 <= block < m.num_blocks):
+        """The bytes of one transfer unit (a view, no copy); for wrapped memory too. ``layer`` is
+        global (:meth:`KVGroups.group_of`)."""
+        if not 0 <= layer < self.groups.n_layers:
             raise IndexError(f"unit ({layer}, {part}, {block}) outside the pool")
-        return np.ctypeslib.as_array((ctypes.c_uint8 * m.unit_bytes).from_address(m.addr(layer, part, block)))
+        g, i = self.groups.group_of(layer)
+        m = self.groups.memories[g]
+        if not (0 <= part < m.parts and 0 <= block < m.num_blocks):
+            raise IndexError(f"unit ({layer}, {part}, {block}) outside the pool")
+        return np.ctypeslib.as_array((ctypes.c_uint8 * m.unit_bytes).from_address(m.addr(i, part, block)))
 
-    def checksum(self, blocks: Sequence[int], n_tokens: int, layers: Tuple[int, int]) -> str:
+    def checksum(self, blocks: Sequence, n_tokens: int, layers: Tuple[int, int]) -> str:
         """SHA-256 over the request's K/V bytes (tokens in order, layers ``lo..hi``, K then V). For
-        wrapped memory: over its whole blocks, in (layer, part, block) order (what a push sends)."""
+        wrapped memory: over its whole blocks, in (layer, part, block) order (what a push sends);
+        ``blocks`` then per group (:meth:`KVGroups.per_group`)."""
         h = hashlib.sha256()
         if self.external:
+            per = self.groups.per_group(blocks)
             for layer in range(*layers):
-                for part in range(self.memory.parts):
-                    for j in range(self.layout.blocks_for(n_tokens)):
-                        if blocks[j] is not None:
-                            h.update(self.unit(layer, part, blocks[j]).tobytes())
+                g, _ = self.groups.group_of(layer)
+                for part in range(self.groups.memories[g].parts):
+                    for j in range(self.groups.layouts[g].blocks_for(n_tokens)):
+                        if j < len(per[g]) and per[g][j] is not None:
+                            h.update(self.unit(layer, part, per[g][j]).tobytes())
             return h.hexdigest()
         for layer in range(*layers):
             for kv in (0, 1):

@@ -13,7 +13,7 @@ import numpy as np
 from ..engine import Hixl
 from ..types import ALREADY_CONNECTED, READ, SUCCESS, TransferStatus
 from .errors import KVError, KVTimeout, PoolExhausted, TransferFailed
-from .grant import Grant
+from .grant import Grant, GroupGrant
 from .heads import HeadSlice, check_sliced, layouts_match, sliced_desc_array
 from .layout import KVLayout, block_desc_array
 from .pool import KVPool, _Ids
@@ -39,21 +39,25 @@ class KVReceiver:
     ``KVReceiver(engine, layout, pool=KVPool.wrap(...))`` works in memory the caller owns (an
     inference engine's KV cache): :meth:`expect` then makes a slot over blocks the caller allocated.
     Besides pushes completed by a flag, a slot can be filled by a pull (:meth:`pull`: the decoder
-    READs the prefill's blocks)."""
+    READs the prefill's blocks). A pool of several KV cache groups (:meth:`KVPool.wrap_groups`) takes
+    block ids per group (:meth:`expect`); ``layout`` is then None or the first group's."""
 
-    def __init__(self, engine: Hixl, layout: KVLayout, num_blocks: Optional[int] = None, *,
+    def __init__(self, engine: Hixl, layout: Optional[KVLayout], num_blocks: Optional[int] = None, *,
                  max_requests: Optional[int] = None, aux_bytes: int = 256, memory: str = "acl",
-                 pool: Optional[KVPool] = None, heads: Optional[HeadSlice] = None):
-        """``heads``: the KV heads our blocks hold (tensor parallelism), for head-sliced grants and pulls."""
-        self.engine, self.layout, self.heads = engine, layout, heads
+                 pool: Optional[KVPool] = None, heads: Any = None):
+        """``heads``: the KV heads our blocks hold (tensor parallelism), for head-sliced grants and pulls
+        (several groups: one HeadSlice or None per group)."""
+        self.engine = engine
         self._own_pool = pool is None  # a pool passed in is the caller's: close() leaves it open
         if pool is None:
             if num_blocks is None:
                 raise ValueError("KVReceiver needs num_blocks (a pool of its own) or pool=")
             pool = KVPool(engine, layout, num_blocks, max_requests=max_requests, aux_bytes=aux_bytes, memory=memory)
-        elif pool.layout != layout:
+        elif layout is not None and pool.layout != layout:
             raise ValueError(f"KVReceiver: the pool's layout {pool.layout} is not {layout}")
-        self.pool = pool
+        self.pool, self.groups, self.layout = pool, pool.groups, pool.layout
+        self.group_heads = self.groups.heads(heads)
+        self.heads = self.group_heads[0]
         engine.poll_flag_failures()  # subscribes: flags that will not come end their slots at once
         self._failed: Dict[str, str] = {}  # request id -> why, not yet returned by take_failed()
         self._pulls: Dict[str, _Slot] = {}  # slots with a pull in flight
@@ -133,7 +137,14 @@ class KVReceiver:
 
         ``want``: only the KV heads ``[a, b)`` come from this slot's prefill (head-sliced: the
         receiver's ``heads`` go with the grant); several slots over the same blocks then take their
-        heads from several prefills, each completed by its own flag."""
+        heads from several prefills, each completed by its own flag.
+
+        Several KV cache groups: ``blocks`` is one list per group, as long as ``n_tokens`` takes in
+        that group, ``None`` for each block not to come from this slot's prefill (``first_block`` is
+        then 0), and ``want`` None, one head range for every group whose heads are known, or one
+        entry per group (None: whole blocks)."""
+        if len(self.groups) > 1 or (blocks and not all(isinstance(b, int) for b in blocks)):
+            return self._expect_groups(request_id, blocks, n_tokens, first_block, layers, prefill, want)
         if want is not None and self.heads is None:
             raise ValueError("expect(want=...) needs a KVReceiver with heads=")
         heads = None if want is None else {"slice": self.heads.to_dict(), "want": [int(want[0]), int(want[1])]}
@@ -157,6 +168,45 @@ class KVReceiver:
                       n_tokens=n_tokens, layers=(lo, hi), pool_addr=self.pool.addr, num_blocks=self.pool.num_blocks,
                       aux_addr=0, aux_bytes=0, layout=asdict(self.layout), prefill=prefill, first_block=first_block,
                       memory=self.pool.memory.to_dict(), heads=heads)
+            slot = _Slot(g, None)
+            self._slots[request_id] = slot
+            self._by_ticket[ticket] = slot
+        return g
+
+    def _expect_groups(self, request_id: str, blocks: Sequence, n_tokens: int, first_block: int,
+                       layers: Optional[Tuple[int, int]], prefill: Optional[str], want: Any) -> Grant:
+        """:meth:`expect` for block lists per group: a grant of :class:`GroupGrant` groups."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError("request_id must be a non-empty str")
+        if not isinstance(n_tokens, int) or isinstance(n_tokens, bool) or n_tokens <= 0:
+            raise ValueError(f"n_tokens must be a positive int, not {n_tokens!r}")
+        if first_block:
+            raise ValueError("expect() with block lists per group takes None for the blocks it has, not first_block")
+        lists = self.groups.per_group(blocks)
+        for g, (lst, nb) in enumerate(zip(lists, self.groups.blocks_for(n_tokens))):
+            if len(lst) != nb:
+                raise ValueError(f"{n_tokens} tokens need {nb} blocks in KV cache group {g}, {len(lst)} given")
+        wants = list(want) if isinstance(want, list) else \
+            [None if want is None or h is None else want for h in self.group_heads]
+        if len(wants) != len(self.groups):
+            raise ValueError(f"expect(want=...): {len(wants)} head ranges for {len(self.groups)} KV cache groups")
+        parts = []
+        for g, (lst, w) in enumerate(zip(lists, wants)):
+            if w is not None and self.group_heads[g] is None:
+                raise ValueError(f"expect(want=...) of KV cache group {g} needs its heads (heads=)")
+            parts.append(GroupGrant(tuple(lst), asdict(self.groups.layouts[g]), self.groups.memories[g],
+                                    self.group_heads[g] if w is not None else None,
+                                    None if w is None else (int(w[0]), int(w[1]))).to_dict())
+        if not any(b is not None for lst in lists for b in lst):
+            raise ValueError(f"expect({request_id!r}): no block to receive in any KV cache group")
+        lo, hi = self._layers_of(request_id, layers)
+        with self._cv:
+            if request_id in self._slots:
+                raise KVError(f"request {request_id!r} already has a slot")
+            ticket = self._new_ticket_locked()
+            g = Grant(request_id=request_id, decode=self.engine.local_engine, ticket=ticket, blocks=(),
+                      n_tokens=n_tokens, layers=(lo, hi), pool_addr=self.pool.addr, num_blocks=self.pool.num_blocks,
+                      aux_addr=0, aux_bytes=0, layout=asdict(self.layout), prefill=prefill, groups=tuple(parts))
             slot = _Slot(g, None)
             self._slots[request_id] = slot
             self._by_ticket[ticket] = slot
@@ -192,34 +242,48 @@ class KVReceiver:
         return slot.pull_bytes
 
     def _pull_descs(self, request_id: str, g: Grant, src: Grant) -> np.ndarray:
-        """The READ descriptors of a pull: whole blocks, or (``src.heads``: the source's HeadSlice and
-        the heads wanted from it) only those heads, into their place in our blocks."""
+        """The READ descriptors of a pull, per KV cache group: whole blocks, or (the source's group has
+        ``heads``: its HeadSlice and the heads wanted from it) only those heads, into their place in
+        our blocks."""
         try:
-            theirs, want = src.head_slice()
-        except ValueError as e:
-            raise KVError(str(e)) from None
-        if not layouts_match(src.layout, g.layout, theirs is not None) or src.n_tokens != g.n_tokens:
-            raise KVError(f"kv: pull of {request_id!r}: the source holds {src.n_tokens} tokens in layout "
-                          f"{src.layout}, the slot wants {g.n_tokens} in {g.layout}")
-        remote = src.request_blocks()
-        js = range(g.first_block, self.layout.blocks_for(g.n_tokens))
-        if len(remote) < self.layout.blocks_for(g.n_tokens) or any(remote[j] is None for j in js):
-            raise KVError(f"kv: pull of {request_id!r}: the source lacks blocks {list(js)}")
-        if theirs is None:
-            return block_desc_array(self.layout, self.pool.memory, g.request_blocks(), src.block_memory(self.layout),
-                                    remote, range(*g.layers), g.n_tokens, js)
+            ours, theirs = g.group_grants(self.layout), src.group_grants(self.layout)
+        except (TypeError, ValueError) as e:
+            raise KVError(f"kv: pull of {request_id!r}: {e}") from None
+        if len(ours) != len(theirs) or src.n_tokens != g.n_tokens:
+            raise KVError(f"kv: pull of {request_id!r}: the source holds {src.n_tokens} tokens in "
+                          f"{len(theirs)} KV cache group(s), the slot wants {g.n_tokens} in {len(ours)}")
+        out = []
+        for k, (o, t) in enumerate(zip(ours, theirs)):
+            if not layouts_match(t.layout, o.layout, t.heads is not None):
+                raise KVError(f"kv: pull of {request_id!r}: the source holds {src.n_tokens} tokens in layout "
+                              f"{t.layout}, the slot wants {g.n_tokens} in {o.layout}")
+            js = o.wanted(self.groups.layouts[k].blocks_for(g.n_tokens))
+            if any(j >= len(t.blocks) or t.blocks[j] is None for j in js):
+                raise KVError(f"kv: pull of {request_id!r}: the source lacks blocks {js}"
+                              + (f" of KV cache group {k}" if len(ours) > 1 else ""))
+            span = self.groups.layers(k)
+            layers = [x - span.start for x in range(max(span.start, g.layers[0]), min(span.stop, g.layers[1]))]
+            if js and layers:
+                out.append(self._group_pull_descs(request_id, k, o, t, layers, js, g.n_tokens))
+        return np.concatenate(out) if out else np.zeros((0, 3), np.uint64)
+
+    def _group_pull_descs(self, request_id: str, k: int, ours: GroupGrant, theirs: GroupGrant, layers: List[int],
+                          js: List[int], n_tokens: int) -> np.ndarray:
+        layout, mem = self.groups.layouts[k], self.groups.memories[k]
+        if theirs.heads is None:
+            return block_desc_array(layout, mem, ours.blocks, theirs.memory, theirs.blocks, layers, n_tokens, js)
+        heads = self.group_heads[k]
         try:
-            if self.heads is None:
+            if heads is None:
                 raise ValueError("the source is head-sliced, this receiver has no HeadSlice of its own")
-            mem = src.block_memory(self.layout)
-            check_sliced(mem, theirs, self.layout.n_layers, "the source's memory")
-            descs = sliced_desc_array(self.pool.memory, self.heads, g.request_blocks(), mem, theirs, remote,
-                                      range(*g.layers), js, want=want)
+            check_sliced(theirs.memory, theirs.heads, layout.n_layers, "the source's memory")
+            descs = sliced_desc_array(mem, heads, ours.blocks, theirs.memory, theirs.heads, theirs.blocks, layers, js,
+                                      want=theirs.want)
         except (TypeError, ValueError) as e:
             raise KVError(f"kv: pull of {request_id!r}: {e}") from e
         if not len(descs):
-            raise KVError(f"kv: pull of {request_id!r}: the source holds none of heads {want} ({theirs}, ours "
-                          f"{self.heads})")
+            raise KVError(f"kv: pull of {request_id!r}: the source holds none of heads {theirs.want} "
+                          f"({theirs.heads}, ours {heads})")
         return descs
 
     def fail(self, request_id: str, why: str) -> None:
@@ -271,9 +335,9 @@ class KVReceiver:
 
     def _layers_of(self, request_id: str, layers: Optional[Tuple[int, int]]) -> Tuple[int, int]:
         """``layers`` checked (default all), and ``request_id`` not taken yet."""
-        lo, hi = layers or (0, self.layout.n_layers)
-        if not 0 <= lo < hi <= self.layout.n_layers:
-            raise ValueError(f"layers {layers!r} outside [0, {self.layout.n_layers})")
+        lo, hi = layers or (0, self.groups.n_layers)
+        if not 0 <= lo < hi <= self.groups.n_layers:
+            raise ValueError(f"layers {layers!r} outside [0, {self.groups.n_layers})")
         with self._cv:
             if request_id in self._slots:
                 raise KVError(f"request {request_id!r} already has a slot")
@@ -508,7 +572,8 @@ class KVReceiver:
         """Read every byte of the slot once (faults pages in, warms caches); returns their SHA-256
         (the same value as :meth:`KVSender.checksum` on the prefill side)."""
         g = self._grant(request_id)
-        return self.pool.checksum(g.request_blocks(), g.n_tokens, g.layers)
+        blocks = [list(v.blocks) for v in g.group_grants(self.layout)]
+        return self.pool.checksum(blocks if self.pool.external else blocks[0], g.n_tokens, g.layers)
 
     def close(self) -> None:
         if self._own_pool:

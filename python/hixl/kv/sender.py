@@ -13,22 +13,23 @@ import numpy as np
 from ..engine import Hixl
 from ..types import SUCCESS, TransferStatus, WRITE
 from .errors import KVError, KVTimeout, TransferFailed
-from .grant import Grant
+from .grant import Grant, GroupGrant
 from .heads import HeadSlice, check_sliced, head_runs, layouts_match, sliced_desc_array
-from .layout import BlockMemory, KVLayout, block_desc_array
+from .layout import KVLayout, block_desc_array
 from .pool import KVPool
 
 _log = logging.getLogger("hixl.kv")
 
 
 class _Target:
-    __slots__ = ("grant", "memory", "remote", "js", "pushed", "flagged", "aux_slot", "failed", "fail_sent", "heads",
-                 "want")
+    __slots__ = ("grant", "groups", "js", "layers", "pushed", "flagged", "aux_slot", "failed", "fail_sent", "need")
 
-    def __init__(self, grant: Grant, memory: BlockMemory, js: range, aux_slot: Optional[int]):
-        self.grant, self.memory, self.js = grant, memory, js
-        self.heads, self.want = grant.head_slice()  # the decoder's heads, those it wants from us (or None)
-        self.remote = grant.request_blocks()  # the decoder's block of each request block j
+    def __init__(self, grant: Grant, groups: List[GroupGrant], js: List[List[int]], layers: List[range],
+                 aux_slot: Optional[int]):
+        self.grant, self.groups = grant, groups  # per KV cache group: the decoder's blocks, memory, heads
+        self.js = js            # per group: the request blocks this target wants
+        self.layers = layers    # per group: the (global) layers this target wants
+        self.need = sum(len(ls) * len(j) for ls, j in zip(layers, js))  # (layer, j) pairs to send in all
         self.pushed: set = set()  # (layer, j) pairs sent
         self.flagged = False
         self.failed: Optional[str] = None  # why a push to this target failed (the decoder is told: fail_flag)
@@ -37,18 +38,13 @@ class _Target:
         # earlier target's aux transfer may still be reading its slot when a later one is staged);
         # None: the grant has no aux area (or our pool is wrapped memory without one)
 
-    @property
-    def need(self) -> int:
-        lo, hi = self.grant.layers
-        return (hi - lo) * len(self.js)
-
 
 class _Request:
     __slots__ = ("blocks", "n_tokens", "aux", "targets", "inflight", "errors", "bytes", "descs",
                  "intervals", "t_first_submit", "external")
 
-    def __init__(self, blocks: List[int], n_tokens: int, external: bool = False):
-        self.blocks, self.n_tokens = blocks, n_tokens
+    def __init__(self, blocks: List[List[Optional[int]]], n_tokens: int, external: bool = False):
+        self.blocks, self.n_tokens = blocks, n_tokens  # per KV cache group: our block of each request block
         self.external = external  # blocks of the caller's (add_request), not of our pool
         self.aux: Optional[bytes] = None
         self.targets: List[_Target] = []
@@ -77,7 +73,10 @@ class KVSender:
 
     ``KVSender(engine, layout, num_blocks)`` allocates and registers a pool of its own
     (:meth:`allocate`, :meth:`store`); ``KVSender(engine, layout, pool=KVPool.wrap(...))`` pushes
-    blocks of memory the caller owns (:meth:`add_request` names them, e.g. vLLM's block ids).
+    blocks of memory the caller owns (:meth:`add_request` names them, e.g. vLLM's block ids). A pool
+    of several KV cache groups (:meth:`KVPool.wrap_groups`) takes block ids per group and layers
+    numbered across the groups (:class:`~hixl.kv.groups.KVGroups`); ``layout`` is then None or the
+    first group's.
 
     A reaper thread waits on the submitted transfers (GIL released, in 1 s slices), records when each
     completed and releases in-flight credit; :meth:`push` waits for credit when ``max_inflight``
@@ -90,19 +89,22 @@ class KVSender:
                  on_settled: Optional[Callable[[str], None]] = None):
         """``max_requests`` requests at once (default ``num_blocks``), each sent to at most
         ``max_targets`` decoders on average (each target stages its aux bytes in a slot of its own).
-        ``heads``: the KV heads our blocks hold (tensor parallelism), which head-sliced grants need.
+        ``heads``: the KV heads our blocks hold (tensor parallelism), which head-sliced grants need
+        (several groups: one HeadSlice or None per group).
         ``on_settled(request_id)``: called (on the reaper thread) when a request has no write in flight
         any more, so a caller can wait for that instead of polling :meth:`stats`."""
-        self.engine, self.layout, self.heads = engine, layout, heads
+        self.engine = engine
         self._own_pool = pool is None  # a pool passed in is the caller's: close() leaves it open
         if pool is None:
             if num_blocks is None:
                 raise ValueError("KVSender needs num_blocks (a pool of its own) or pool=")
             pool = KVPool(engine, layout, num_blocks, max_requests=(max_requests or num_blocks) * max_targets,
                           aux_bytes=aux_bytes, memory=memory)
-        elif pool.layout != layout:
+        elif layout is not None and pool.layout != layout:
             raise ValueError(f"KVSender: the pool's layout {pool.layout} is not {layout}")
-        self.pool = pool
+        self.pool, self.groups, self.layout = pool, pool.groups, pool.layout
+        self.group_heads = self.groups.heads(heads)
+        self.heads = self.group_heads[0]
         self.max_inflight, self.timeout = int(max_inflight), float(timeout)
         self._on_settled = on_settled
         self._cv = threading.Condition()
@@ -126,12 +128,13 @@ class KVSender:
                 raise KVError(f"request {request_id!r} is already allocated")
         blocks = self.pool.blocks.take(self.layout.blocks_for(n_tokens), timeout)
         with self._cv:
-            self._reqs[request_id] = _Request(blocks, n_tokens)
+            self._reqs[request_id] = _Request([blocks], n_tokens)
         return blocks
 
-    def add_request(self, request_id: str, blocks: Sequence[int], n_tokens: int, *, partial: bool = False) -> None:
+    def add_request(self, request_id: str, blocks: Sequence, n_tokens: int, *, partial: bool = False) -> None:
         """A request whose KV the caller already holds in ``blocks`` of the pool (request block j
-        is ``blocks[j]``); the sender never gives them back, :meth:`release` only forgets them.
+        is ``blocks[j]``; several KV cache groups: one such list per group, ``None`` for a block the
+        request does not hold); the sender never gives them back, :meth:`release` only forgets them.
         ``partial``: fewer blocks than ``n_tokens`` need so far (a chunked prefill allocates them
         as it goes: :meth:`set_blocks` names more; a push of a block not named yet is refused)."""
         if not isinstance(n_tokens, int) or isinstance(n_tokens, bool) or n_tokens <= 0:
@@ -142,24 +145,28 @@ class KVSender:
                 raise KVError(f"request {request_id!r} is already on this sender")
             self._reqs[request_id] = _Request(blocks, n_tokens, external=True)
 
-    def set_blocks(self, request_id: str, blocks: Sequence[int], *, partial: bool = False) -> None:
-        """The request's blocks as known now (an :meth:`add_request` request; those named before
-        must not change)."""
+    def set_blocks(self, request_id: str, blocks: Sequence, *, partial: bool = False) -> None:
+        """The request's blocks as known now (an :meth:`add_request` request): blocks named before
+        stay, or become ``None`` (their owner freed them, as a sliding window does: a push of them
+        is refused from now on)."""
         r = self._req(request_id)
         blocks = self._check_blocks(blocks, r.n_tokens, partial)
         with self._cv:
-            if not r.external or blocks[:len(r.blocks)] != r.blocks[:len(blocks)]:
+            if not r.external or any(b is not None and b != a for old, new in zip(r.blocks, blocks)
+                                     for a, b in zip(old, new)):
                 raise KVError(f"request {request_id!r}: its blocks cannot change ({r.blocks} -> {blocks})")
             r.blocks = blocks
 
-    def _check_blocks(self, blocks: Sequence[int], n_tokens: int, partial: bool) -> List[int]:
-        blocks = [int(b) for b in blocks]
-        need = self.layout.blocks_for(n_tokens)
-        if len(blocks) > need or (len(blocks) < need and not partial):
-            raise ValueError(f"{n_tokens} tokens need {need} blocks, {len(blocks)} given")
-        if any(not 0 <= b < self.pool.num_blocks for b in blocks):
-            raise ValueError(f"blocks {blocks} outside the pool of {self.pool.num_blocks}")
-        return blocks
+    def _check_blocks(self, blocks: Sequence, n_tokens: int, partial: bool) -> List[List[Optional[int]]]:
+        try:
+            lists = self.groups.per_group(blocks)
+        except ValueError as e:
+            raise ValueError(f"blocks {str(list(blocks))[:200]}: {e}") from None
+        for g, (lst, need) in enumerate(zip(lists, self.groups.blocks_for(n_tokens))):
+            if len(lst) > need or (len(lst) < need and not partial):
+                what = f"group {g}: " if len(lists) > 1 else ""
+                raise ValueError(f"{what}{n_tokens} tokens need {need} blocks, {len(lst)} given")
+        return lists
 
     def _req(self, request_id: str) -> _Request:
         r = self._reqs.get(request_id)
@@ -172,12 +179,13 @@ class KVSender:
         r = self._req(request_id)
         if not 0 <= layer < self.layout.n_layers:
             raise ValueError(f"layer {layer} outside [0, {self.layout.n_layers})")
-        self.pool.scatter(layer, 0, r.blocks, k, start)
-        self.pool.scatter(layer, 1, r.blocks, v, start)
+        self.pool.scatter(layer, 0, r.blocks[0], k, start)
+        self.pool.scatter(layer, 1, r.blocks[0], v, start)
 
     def checksum(self, request_id: str, layers: Optional[Tuple[int, int]] = None) -> str:
         r = self._req(request_id)
-        return self.pool.checksum(r.blocks, r.n_tokens, layers or (0, self.layout.n_layers))
+        return self.pool.checksum(r.blocks[0] if not r.external else r.blocks, r.n_tokens,
+                                  layers or (0, self.groups.n_layers))
 
     # -- targets and pushes ----------------------------------------------------------------------
     def add_target(self, request_id: str, grant: Union[Grant, Dict[str, Any]]) -> None:
@@ -187,22 +195,31 @@ class KVSender:
         r = self._req(request_id)
         if g.request_id != request_id:
             raise KVError(f"grant is for request {g.request_id!r}, not {request_id!r}")
-        try:
-            theirs, want = g.head_slice()
-        except ValueError as e:
-            raise KVError(str(e)) from None
-        if not layouts_match(g.layout, asdict(self.layout), theirs is not None):
-            raise KVError(f"grant for {request_id!r} has layout {g.layout}, this sender has {asdict(self.layout)}")
         if g.n_tokens != r.n_tokens:
             raise KVError(f"grant for {request_id!r} is for {g.n_tokens} tokens, the request has {r.n_tokens}")
-        nb = self.layout.blocks_for(g.n_tokens)
-        if (not isinstance(g.first_block, int) or not 0 <= g.first_block < nb or len(g.blocks) < nb - g.first_block
-                or not 0 <= g.layers[0] < g.layers[1] <= self.layout.n_layers):
-            raise KVError(f"grant for {request_id!r} is malformed: {len(g.blocks)} blocks from block "
-                          f"{g.first_block!r}, layers {g.layers}")
-        mem = self._target_memory(request_id, g, theirs, want)
-        if any(not 0 <= b < mem.num_blocks for b in g.blocks):
-            raise KVError(f"grant for {request_id!r} names blocks outside the decoder's pool of {mem.num_blocks}")
+        if not 0 <= g.layers[0] < g.layers[1] <= self.groups.n_layers:
+            raise KVError(f"grant for {request_id!r} is malformed: layers {g.layers} of {self.groups.n_layers}")
+        try:
+            views = g.group_grants(self.layout)
+        except (TypeError, ValueError) as e:
+            raise KVError(f"grant for {request_id!r} is malformed or has a bad memory description: {e}") from e
+        if len(views) != len(self.groups):
+            raise KVError(f"grant for {request_id!r} has {len(views)} KV cache group(s), this sender "
+                          f"{len(self.groups)}")
+        js, layers = [], []
+        for k, view in enumerate(views):
+            self._check_group(request_id, k, view)
+            nb = self.groups.layouts[k].blocks_for(g.n_tokens)
+            wanted = view.wanted(nb)
+            if wanted and len(view.blocks) < nb:
+                raise KVError(f"grant for {request_id!r} is malformed: {len(view.blocks)} blocks of group {k} for "
+                              f"{g.n_tokens} tokens ({nb} blocks)")
+            span = self.groups.layers(k)
+            js.append(set(wanted))
+            layers.append(range(max(span.start, g.layers[0]), min(span.stop, g.layers[1])))
+        if not any(len(ls) and j for ls, j in zip(layers, js)):
+            raise KVError(f"grant for {request_id!r} is malformed: it wants no block (from block {g.first_block!r}, "
+                          f"layers {g.layers})")
         if self.engine.get_transport(g.decode)[0] != SUCCESS:  # not linked yet: connect now
             rc = self.engine.connect(g.decode, int(self.timeout * 1000))
             if rc != SUCCESS:
@@ -214,40 +231,64 @@ class KVSender:
             aux_slot = None
             if g.aux_bytes > 0 and not self.pool.external:
                 aux_slot = self.pool.aux_slots.take(1, 0.0)[0]
-            r.targets.append(_Target(g, mem, range(g.first_block, nb), aux_slot))
+            r.targets.append(_Target(g, views, js, layers, aux_slot))
 
-    def _target_memory(self, request_id: str, g: Grant, theirs: Optional[HeadSlice],
-                       want: Optional[Tuple[int, int]]) -> BlockMemory:
-        """The grant's decoder memory, checked against our blocks (whole, or head-sliced)."""
+    def _check_group(self, request_id: str, k: int, view: GroupGrant) -> None:
+        """A grant's group ``k`` against ours: its layout, the decoder's memory (whole blocks, or
+        head-sliced) and its block ids."""
+        layout, ours = self.groups.layouts[k], self.groups.memories[k]
+        what = f"grant for {request_id!r}" + (f" (KV cache group {k})" if len(self.groups) > 1 else "")
+        heads = self.group_heads[k]
+        if not layouts_match(view.layout, asdict(layout), view.heads is not None):
+            raise KVError(f"{what} has layout {view.layout}, this sender has {asdict(layout)}")
+        mem = view.memory
         try:
-            mem = g.block_memory(self.layout)
-            if theirs is None:
-                mem.check(self.layout)
+            if view.heads is None:
+                mem.check(layout)
             else:
-                if self.heads is None:
+                if heads is None:
                     raise ValueError("the grant is head-sliced, this sender has no HeadSlice of its own")
-                check_sliced(mem, theirs, self.layout.n_layers, "the decoder's memory")
-                if not len(head_runs(self.heads, theirs, want)):
-                    raise ValueError(f"it wants heads {want} of {theirs}, we hold {self.heads}: none in common")
+                check_sliced(mem, view.heads, layout.n_layers, "the decoder's memory")
+                if not len(head_runs(heads, view.heads, view.want)):
+                    raise ValueError(f"it wants heads {view.want} of {view.heads}, we hold {heads}: none in common")
         except (TypeError, ValueError) as e:
-            raise KVError(f"grant for {request_id!r} has a bad memory description: {e}") from e
-        if mem.parts != self.pool.memory.parts or (theirs is None and mem.unit_bytes != self.pool.memory.unit_bytes):
-            raise KVError(f"grant for {request_id!r}: the decoder packs its blocks differently ({mem.parts} parts "
-                          f"of {mem.unit_bytes} B, ours {self.pool.memory.parts} of {self.pool.memory.unit_bytes} B)")
-        return mem
+            raise KVError(f"{what} has a bad memory description: {e}") from e
+        if mem.parts != ours.parts or (view.heads is None and mem.unit_bytes != ours.unit_bytes):
+            raise KVError(f"{what}: the decoder packs its blocks differently ({mem.parts} parts of "
+                          f"{mem.unit_bytes} B, ours {ours.parts} of {ours.unit_bytes} B)")
+        if any(b is not None and not 0 <= b < mem.num_blocks for b in view.blocks):
+            raise KVError(f"{what} names blocks outside the decoder's pool of {mem.num_blocks}")
 
     def targets(self, request_id: str) -> List[str]:
         """The decoders this request goes to."""
         with self._cv:
             return [t.grant.decode for t in self._req(request_id).targets]
 
-    def _descs(self, r: _Request, t: _Target, layers: List[int], js: Iterable[int]) -> np.ndarray:
-        """One descriptor per (layer, K|V, block), adjacent ones merged: a descriptor array (no
-        Python object per descriptor); head-sliced targets get only the heads they want."""
-        if t.heads is not None:
-            return sliced_desc_array(self.pool.memory, self.heads, r.blocks, t.memory, t.heads, t.remote, layers, js,
-                                     want=t.want)
-        return block_desc_array(self.layout, self.pool.memory, r.blocks, t.memory, t.remote, layers, r.n_tokens, js)
+    def _descs(self, r: _Request, t: _Target, pairs: Iterable[Tuple[int, int]]) -> np.ndarray:
+        """The descriptors of ``(layer, j)`` pairs: one per (layer, K|V, block), adjacent ones merged, as a
+        descriptor array (no Python object per descriptor); head-sliced targets get only the heads
+        they want. Runs of layers of one group with the same blocks are built at once."""
+        per_layer: Dict[int, List[int]] = {}
+        for x, j in pairs:
+            per_layer.setdefault(x, []).append(j)
+        chunks: List[Tuple[int, List[int], List[int]]] = []  # (group, its layers, js)
+        for x in sorted(per_layer):
+            g, i = self.groups.group_of(x)
+            js = sorted(per_layer[x])
+            if chunks and chunks[-1][0] == g and chunks[-1][2] == js:
+                chunks[-1][1].append(i)
+            else:
+                chunks.append((g, [i], js))
+        out = [self._group_descs(r, t, g, ls, js) for g, ls, js in chunks]
+        return out[0] if len(out) == 1 else np.concatenate(out) if out else np.zeros((0, 3), np.uint64)
+
+    def _group_descs(self, r: _Request, t: _Target, g: int, layers: List[int], js: List[int]) -> np.ndarray:
+        view, mem = t.groups[g], self.groups.memories[g]
+        if view.heads is not None:
+            return sliced_desc_array(mem, self.group_heads[g], r.blocks[g], view.memory, view.heads, view.blocks,
+                                     layers, js, want=view.want)
+        return block_desc_array(self.groups.layouts[g], mem, r.blocks[g], view.memory, view.blocks, layers,
+                                r.n_tokens, js)
 
     def _set_aux(self, r: _Request, aux: Optional[bytes]) -> None:
         if aux is not None:
@@ -256,28 +297,30 @@ class KVSender:
                 raise ValueError(f"aux is {len(aux)} bytes, at most {self.pool.aux_bytes}")
             r.aux = aux
 
-    def push(self, request_id: str, layers: Union[int, Iterable[int]], *, blocks: Optional[Iterable[int]] = None,
-             aux: Optional[bytes] = None, complete: Optional[bool] = None) -> int:
+    def push(self, request_id: str, layers: Union[int, Iterable[int]], *,
+             blocks: Union[None, Iterable[int], Dict[int, Iterable[int]]] = None, aux: Optional[bytes] = None,
+             complete: Optional[bool] = None) -> int:
         """Start moving ``layers`` (already stored) to every target; returns the bytes submitted.
 
         ``blocks``: the request blocks (indices ``j`` into its block list) to move, default all: a
-        chunked prefill pushes each block once it is full. Each (layer, block) goes to a target
-        once; a target gets those of its grant only.
+        chunked prefill pushes each block once it is full (several KV cache groups: ``{group: js}``,
+        a group not named moving all of its known blocks; a plain list applies to every group). Each
+        (layer, block) goes to a target once; a target gets those of its grant only. A block the
+        target wants that this side does not hold (``None``) fails the push (:class:`KVError`): the
+        decoder would be flagged without it.
 
         Non-blocking unless ``max_inflight`` transfers are outstanding (then it waits for credit).
         With ``complete=None`` the push that completes a target's layers and blocks also writes the
         aux bytes (``aux``, or those given to an earlier push) and carries the completion flag; with
         ``complete=False`` no flag goes yet: :meth:`complete` sends it later (so the last layers can
         travel while the first token is still being computed); ``complete=True`` flags this push
-        (the caller knows it is the last one)."""
+        (the caller knows it is the last one: a target that still lacks some pairs raises
+        :class:`KVError` instead of being flagged)."""
         r = self._req(request_id)
         want = sorted({layers} if isinstance(layers, int) else set(layers))
-        if any(not 0 <= x < self.layout.n_layers for x in want):
-            raise ValueError(f"layers {want} outside [0, {self.layout.n_layers})")
-        nb = len(r.blocks)
-        js_all = range(nb) if blocks is None else sorted(set(blocks))
-        if any(not 0 <= j < nb for j in js_all):
-            raise ValueError(f"blocks {list(js_all)} outside the request's {nb} known blocks")
+        if any(not 0 <= x < self.groups.n_layers for x in want):
+            raise ValueError(f"layers {want} outside [0, {self.groups.n_layers})")
+        js_of = self._push_blocks(r, blocks)
         self._set_aux(r, aux)
         if not r.targets:
             raise KVError(f"request {request_id!r} has no target: add_target() first")
@@ -285,26 +328,54 @@ class KVSender:
         for t in r.targets:
             if t.flagged:
                 continue
-            lo, hi = t.grant.layers
-            mine = [x for x in want if lo <= x < hi]
-            js = [j for j in js_all if j in t.js]
-            new = [(x, j) for x in mine for j in js if (x, j) not in t.pushed]
+            new = []
+            for x in want:
+                g, _ = self.groups.group_of(x)
+                if x in t.layers[g]:
+                    new.extend((x, j) for j in js_of[g] if j in t.js[g] and (x, j) not in t.pushed)
             flag = None
             if not new:
                 if complete:
                     total += self._complete_target(request_id, r, t)
                 continue
+            self._check_held(request_id, r, t, new)
             t.pushed.update(new)
-            new_layers = sorted({x for x, _ in new})
-            new_js = sorted({j for _, j in new})
-            if len(new) == len(new_layers) * len(new_js):
-                descs = self._descs(r, t, new_layers, new_js)
-            else:  # a ragged set: per layer
-                descs = np.concatenate([self._descs(r, t, [x], [j for y, j in new if y == x]) for x in new_layers])
             if complete or (complete is None and len(t.pushed) == t.need):
-                descs, flag = self._stage_flag(r, t, descs)
-            total += self._submit(request_id, r, t, descs, flag, f"layers {new_layers} blocks {new_js}")
+                self._check_all_pushed(request_id, t)
+                descs, flag = self._stage_flag(r, t, self._descs(r, t, new))
+            else:
+                descs = self._descs(r, t, new)
+            what = f"layers {sorted({x for x, _ in new})} blocks {sorted({j for _, j in new})}"
+            total += self._submit(request_id, r, t, descs, flag, what)
         return total
+
+    def _push_blocks(self, r: _Request, blocks: Union[None, Iterable[int], Dict[int, Iterable[int]]]) -> List[List[int]]:
+        """A push's request blocks per group, checked against the blocks the request has there."""
+        if isinstance(blocks, dict):
+            out = [sorted(set(blocks[g])) if g in blocks else list(range(len(r.blocks[g])))
+                   for g in range(len(self.groups))]
+        else:
+            js = None if blocks is None else sorted(set(blocks))
+            out = [list(range(len(b))) if js is None else js for b in r.blocks]
+        for g, js in enumerate(out):
+            nb = len(r.blocks[g])
+            if any(not 0 <= j < nb for j in js):
+                what = f" of group {g}" if len(out) > 1 else ""
+                raise ValueError(f"blocks {list(js)} outside the request's {nb} known blocks{what}")
+        return out
+
+    def _check_held(self, request_id: str, r: _Request, t: _Target, pairs: List[Tuple[int, int]]) -> None:
+        for x, j in pairs:
+            g, _ = self.groups.group_of(x)
+            if r.blocks[g][j] is None:
+                raise KVError(f"kv: request {request_id!r}: the decoder {t.grant.decode} wants request block {j} of "
+                              f"KV cache group {g}, which this side does not hold (its owner freed it)")
+
+    @staticmethod
+    def _check_all_pushed(request_id: str, t: _Target) -> None:
+        if len(t.pushed) < t.need:
+            raise KVError(f"kv: request {request_id!r}: the completion flag for {t.grant.decode} would go with "
+                          f"{t.need - len(t.pushed)} of its {t.need} (layer, block) pairs not pushed")
 
     def complete(self, request_id: str, *, aux: Optional[bytes] = None) -> int:
         """Send the completion flag (with the aux bytes) to every target that has all its layers
@@ -319,10 +390,10 @@ class KVSender:
         return sum(self._complete_target(request_id, r, t) for t in r.targets if not t.flagged)
 
     def _complete_target(self, request_id: str, r: _Request, t: _Target) -> int:
+        self._check_all_pushed(request_id, t)
         descs = np.zeros((0, 3), np.uint64)
-        if t.aux_slot is None:  # no aux area: the flag rides on the last block, sent again
-            lo, hi = t.grant.layers
-            descs = self._descs(r, t, [hi - 1], [t.js[-1]])
+        if t.aux_slot is None:  # no aux area: the flag rides on the last unit, sent again
+            descs = self._descs(r, t, [max(t.pushed)])
         descs, flag = self._stage_flag(r, t, descs)
         return self._submit(request_id, r, t, descs, flag, "completion flag")
 
@@ -472,7 +543,7 @@ class KVSender:
                 if r is not None and r.inflight == 0:
                     del self._reqs[request_id]
                     if not r.external:
-                        self.pool.blocks.give(r.blocks)
+                        self.pool.blocks.give(r.blocks[0])
                     slots = [t.aux_slot for t in r.targets if t.aux_slot is not None]
                     if slots:
                         self.pool.aux_slots.give(slots)
