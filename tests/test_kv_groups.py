@@ -120,6 +120,7 @@ def test_a_layer_wise_push_moves_each_groups_blocks_and_only_those_with_one_flag
     st = tx.stats("r")
     # the sliding group moved its window's 3 blocks, not the 5 the prefill still held, nor the prompt's 7
     assert st["bytes"] == SLOTS * (7 * PAGE + 3 * PAGE + 7 * PAGE + STATE_BYTES) and st["flagged"]
+    assert st["group_bytes"] == [SLOTS * 7 * PAGE, SLOTS * 3 * PAGE, SLOTS * 7 * PAGE, SLOTS * STATE_BYTES]
     tx.release("r")
     rx.free("r")
 

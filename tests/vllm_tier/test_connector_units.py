@@ -22,14 +22,16 @@ from hixl.vllm import messages  # noqa: E402
 from hixl.vllm.config import ConnectorConfig  # noqa: E402
 from hixl.vllm.metadata import HixlConnectorMetadata, HixlHandshake, LoadSpec, SendStep  # noqa: E402
 from hixl.vllm.scheduler import HixlScheduler  # noqa: E402
-from hixl.vllm.worker import HixlWorker, describe_kv_caches  # noqa: E402
+from hixl.vllm.cache import describe_kv_caches  # noqa: E402
+from hixl.vllm.specs import GroupSpec  # noqa: E402
+from hixl.vllm.worker import HixlWorker  # noqa: E402
 
 LAYERS, BLOCKS, HEADS, TOKENS, HEAD = 4, 32, 2, 16, 8
 
 
-def _caches(seed=None):
+def _caches(seed=None, head=HEAD):
     """vLLM CPU layout: one [blocks, heads, tokens, 2 * head] tensor per layer, views of one allocation."""
-    raw = torch.empty((LAYERS, BLOCKS, HEADS, TOKENS, 2 * HEAD), dtype=torch.float32)
+    raw = torch.empty((LAYERS, BLOCKS, HEADS, TOKENS, 2 * head), dtype=torch.float32)
     if seed is None:
         raw.fill_(-1.0)
     else:
@@ -38,10 +40,10 @@ def _caches(seed=None):
 
 
 class Side:
-    def __init__(self, role, transport, seed=None, **cfg):
-        self.raw, caches = _caches(seed)
+    def __init__(self, role, transport, seed=None, head=HEAD, **cfg):
+        self.raw, caches = _caches(seed, head)
         config = ConnectorConfig.parse(dict({"transport": transport, "host": "127.0.0.1"}, **cfg), env={})
-        self.w = HixlWorker(config, role, "e", BLOCKS, TOKENS, HEADS, HEAD)
+        self.w = HixlWorker(config, role, "e", BLOCKS, [GroupSpec("full", TOKENS, (), HEADS, head)])
         self.w.register_kv_caches(caches)
         self.engine = self.w.engine.local_engine
 
@@ -228,8 +230,7 @@ def test_pull_reads_the_prefill_blocks_and_releases_them(pd):
     n, p_blocks, d_blocks = 45, [4, 9, 2], [6, 7, 8]
     p.step(HixlConnectorMetadata(sends={"p": SendStep("t", p_blocks, n, 0, 3, True)}))
     p.step(HixlConnectorMetadata(held={"p": "t"}), layers=False, finished={"p"})
-    hs = p.w.handshake()
-    src = {"remote_blocks": p_blocks, "remote_memory": hs.memory, "remote_layout": hs.layout}
+    src = {"remote_blocks": p_blocks}  # its memory map: learned with describe, once per peer
     dec.start(d=_load("t", p.engine, d_blocks, n, mode="pull", source=src))
     assert dec.wait("d") is False
     _same(p, d, p_blocks, d_blocks, range(3))
@@ -239,11 +240,9 @@ def test_pull_reads_the_prefill_blocks_and_releases_them(pd):
 
 @NO_TRANSFER
 def test_pull_of_a_foreign_layout_fails_with_the_reason(pd):
-    p, d = pd("kv_producer", seed=8), pd("kv_consumer")
+    p, d = pd("kv_producer", seed=8, head=HEAD * 2), pd("kv_consumer")  # its heads twice as wide
     dec = Decoder(d)
-    hs = p.w.handshake()
-    layout = dict(hs.layout, head_dim=HEAD * 2)
-    src = {"remote_blocks": [1], "remote_memory": hs.memory, "remote_layout": layout}
+    src = {"remote_blocks": [1]}
     dec.start(d=_load("t", p.engine, [2], 10, mode="pull", source=src))
     assert dec.wait("d") is True
     assert d.w.stats.take().data["recv_failed"] == 1
@@ -305,9 +304,8 @@ def test_a_prefill_without_a_grant_frees_its_blocks_after_the_lease_and_aborts_a
 
 @NO_TRANSFER
 def test_a_grant_for_another_block_interior_is_refused(pd):
-    p, d = pd("kv_producer", seed=13), pd("kv_consumer")
+    p, d = pd("kv_producer", seed=13), pd("kv_consumer", head=HEAD * 2)  # the decoder's heads twice as wide
     dec = Decoder(d)
-    d.w.interior = "float32:packed(9, 9, 9)"
     dec.start(d=_load("t", p.engine, [1], 10))
     assert dec.wait("d") is True
 
@@ -391,7 +389,7 @@ def _so(new=(), cached=(), scheduled=None):
 
 
 def test_scheduler_plans_the_blocks_each_prefill_step_completes():
-    s = HixlScheduler(ConnectorConfig(), TOKENS, "kv_producer")
+    s = HixlScheduler(ConnectorConfig(), [GroupSpec("full", TOKENS)], "kv_producer")
     s.set_handshake({0: HixlHandshake(engine="127.0.0.1:1")})
     req = _request("p", 70, {"do_remote_decode": True, "transfer_id": "t"})
     assert s.get_num_new_matched_tokens(req, 0) == (0, False)
@@ -400,7 +398,7 @@ def test_scheduler_plans_the_blocks_each_prefill_step_completes():
     assert (m.sends["p"].lo, m.sends["p"].hi, m.sends["p"].final) == (0, 1, False)
     m = s.build_connector_meta(_so(cached=[("p", [3, 4, 5], 20)], scheduled={"p": 50}))  # the rest
     st = m.sends["p"]
-    assert (st.lo, st.hi, st.final, st.blocks) == (1, 5, True, [1, 2, 3, 4, 5])
+    assert (st.lo, st.hi, st.final, st.group_blocks()) == (1, 5, True, [[1, 2, 3, 4, 5]])
     hold, params = s.request_finished(req, [1, 2, 3, 4, 5])
     assert hold and params["remote_engine"] == "127.0.0.1:1" and params["remote_blocks"] == [1, 2, 3, 4, 5]
     assert s.has_pending_push_work() and s.build_connector_meta(_so()).held == {"p": "t"}
@@ -413,7 +411,7 @@ def test_scheduler_plans_the_blocks_each_prefill_step_completes():
 
 
 def test_scheduler_loads_past_the_decoder_prefix_hit():
-    s = HixlScheduler(ConnectorConfig(), TOKENS, "kv_consumer")
+    s = HixlScheduler(ConnectorConfig(), [GroupSpec("full", TOKENS)], "kv_consumer")
     def params(tid):
         return {"do_remote_prefill": True, "transfer_id": tid, "remote_engine": "10.0.0.1:5", "mode": "push"}
     req = _request("d", 70, params("t"))
@@ -422,7 +420,7 @@ def test_scheduler_loads_past_the_decoder_prefix_hit():
     assert s.get_num_new_matched_tokens(req, 32) == (0, False)  # staged once only
     m = s.build_connector_meta(_so())
     ld = m.loads["d"]
-    assert (ld.first_block, ld.blocks, ld.n_tokens, ld.peer) == (2, [9, 10, 11], 70, "10.0.0.1:5")
+    assert (ld.first_block, ld.group_blocks(), ld.n_tokens, ld.peer) == (2, [[None, None, 9, 10, 11]], 70, "10.0.0.1:5")
     assert m.idle
     # a decoder holding the whole prompt tells the prefill not to wait for a grant
     req2 = _request("e", 70, params("t2"))

@@ -20,9 +20,11 @@ from hixl.vllm import contracts  # noqa: E402
 from hixl.vllm.config import ConnectorConfig  # noqa: E402
 from hixl.vllm.lookups import BootstrapLookups  # noqa: E402
 from hixl.vllm.metadata import HixlHandshake  # noqa: E402
+from hixl.vllm.specs import GroupSpec  # noqa: E402
 from hixl.vllm.scheduler import HixlScheduler  # noqa: E402
 
 TOKENS = 16
+GROUPS = [GroupSpec("full", TOKENS)]
 P0, P1 = "10.0.0.1:50123", "10.0.0.1:50124"
 VLLM_ID = "c4f6e1a2-1b2c-4d5e-8f90-123456789abc"
 
@@ -44,13 +46,13 @@ def _so(new=(), scheduled=None):
 
 
 def _prefill(engines=(P0,), mode="push", **cfg):
-    s = HixlScheduler(ConnectorConfig(mode=mode, **cfg), TOKENS, "kv_producer", engine_id=VLLM_ID)
+    s = HixlScheduler(ConnectorConfig(mode=mode, **cfg), GROUPS, "kv_producer", engine_id=VLLM_ID)
     s.set_handshake({r: HixlHandshake(engine=e) for r, e in enumerate(engines)})
     return s
 
 
 def _decoder(mode="push", lookups=None, **cfg):
-    return HixlScheduler(ConnectorConfig(mode=mode, **cfg), TOKENS, "kv_consumer", engine_id="dec", lookups=lookups)
+    return HixlScheduler(ConnectorConfig(mode=mode, **cfg), GROUPS, "kv_consumer", engine_id="dec", lookups=lookups)
 
 
 def _finish_prefill(s, rid, params, n=155, blocks=tuple(range(100, 110))):
@@ -133,7 +135,7 @@ def _answer(**cfg):
 def test_the_decoder_accepts_our_description():
     ld = _load(_decoder(), {"do_remote_prefill": True, "transfer_id": "t", "remote_engine": P0, "mode": "push"})
     assert (ld.transfer_id, ld.mode, ld.peer, ld.peers, ld.remote_tp) == ("t", "push", P0, [P0], 1)
-    assert (ld.first_block, ld.blocks, ld.source) == (0, list(range(7, 17)), None)
+    assert (ld.first_block, ld.group_blocks(), ld.source) == (0, [list(range(7, 17))], None)
 
 
 def test_the_decoder_accepts_the_whole_answer_forwarded_as_vllm_router_nixl_mode_does():
@@ -141,7 +143,7 @@ def test_the_decoder_accepts_the_whole_answer_forwarded_as_vllm_router_nixl_mode
     ld = _load(_decoder(mode="pull"), dict(a))  # the answer's mode (push) wins over the decoder's
     assert (ld.transfer_id, ld.mode, ld.peers) == ("cmpl-abc-0", "push", [P0])
     ld = _load(_decoder(), dict(_answer(mode="pull")))
-    assert ld.mode == "pull" and ld.source == {"remote_blocks": list(range(100, 110))}
+    assert ld.mode == "pull" and ld.source == {"remote_blocks": [list(range(100, 110))]}
 
 
 @pytest.mark.parametrize("mode", ["push", "pull"])
@@ -153,7 +155,7 @@ def test_the_decoder_accepts_only_nixl_fields_as_vllm_push_proxy_rebuilds_them(m
     assert (ld.transfer_id, ld.mode, ld.peers, ld.peer, ld.remote_tp) == ("cmpl-abc-0", "push", [P0, P1], P0, 2)
     nixl_pull = {k: a[k] for k in ("remote_engine_id", "remote_request_id", "remote_block_ids", "tp_size")}
     ld = _load(_decoder(mode=mode), {"do_remote_prefill": True, **nixl_pull}, rid="e")
-    assert ld.mode == mode and (ld.source == {"remote_blocks": list(range(100, 110))} if mode == "pull" else True)
+    assert ld.mode == mode and (ld.source == {"remote_blocks": [list(range(100, 110))]} if mode == "pull" else True)
 
 
 def test_a_rewritten_remote_host_does_not_hide_the_hixl_engine():
@@ -243,7 +245,7 @@ def test_the_bootstrap_endpoint_answers_as_mooncakes_does():
 
 
 def test_the_bootstrap_endpoint_names_no_engine_before_the_workers_handshake():
-    s = HixlScheduler(ConnectorConfig(host="127.0.0.1", bootstrap_port=_free_port()), TOKENS, "kv_both",
+    s = HixlScheduler(ConnectorConfig(host="127.0.0.1", bootstrap_port=_free_port()), GROUPS, "kv_both",
                       engine_id=VLLM_ID)
     url = f"http://127.0.0.1:{s.serve_bootstrap().port}/query"
     try:
@@ -258,7 +260,7 @@ def test_the_bootstrap_endpoint_names_no_engine_before_the_workers_handshake():
 
 def test_the_bootstrap_endpoint_is_off_with_port_0_and_on_decoders():
     assert _prefill(bootstrap_port=0).serve_bootstrap() is None
-    d = HixlScheduler(ConnectorConfig(bootstrap_port=_free_port()), TOKENS, "kv_consumer")
+    d = HixlScheduler(ConnectorConfig(bootstrap_port=_free_port()), GROUPS, "kv_consumer")
     assert d.serve_bootstrap() is None
     assert ConnectorConfig.parse({}, env={}).bootstrap_port is None  # 8998 when free
     assert ConnectorConfig.parse({}, env={"HIXL_VLLM_BOOTSTRAP_PORT": "0"}).bootstrap_port == 0

@@ -17,11 +17,13 @@ pytest.importorskip("vllm")
 import hixl  # noqa: E402
 from hixl import SUCCESS, kv  # noqa: E402
 from hixl.kv.heads import head_range  # noqa: E402
+from hixl.vllm.cache import CacheGroups  # noqa: E402
 from hixl.vllm.config import ConnectorConfig  # noqa: E402
 from hixl.vllm.consumer import Consumer  # noqa: E402
 from hixl.vllm.metadata import HixlConnectorMetadata, LoadSpec, SendStep  # noqa: E402
 from hixl.vllm.peers import PeerBook  # noqa: E402
 from hixl.vllm.producer import Producer  # noqa: E402
+from hixl.vllm.specs import GroupSpec  # noqa: E402
 from hixl.vllm.stats import Recorder  # noqa: E402
 from tests.test_kv_heads import BS, HD, LAYOUTS, NB, Side, _take  # noqa: E402
 from tests.test_kv_heads import L as N_LAYERS  # noqa: E402
@@ -97,13 +99,14 @@ class Rank:
         self.pool = kv.KVPool.wrap(self.engine, self.layout, self.side.memory)
         self.interior = f"float32:packed({self.hi - self.lo}, {BS}, {2 * HD})"
         self.links = net.links(self)
-        shared = dict(engine=self.engine, pool=self.pool, layout=self.layout, config=ConnectorConfig(timeout_s=10),
-                      stats=Recorder(), links=self.links, interior=self.interior, heads=self.side.heads)
+        self.groups = CacheGroups.single(self.layout, self.side.memory, self.interior, self.side.heads, TOTAL)
+        shared = dict(engine=self.engine, pool=self.pool, groups=self.groups, config=ConnectorConfig(timeout_s=10),
+                      stats=Recorder(), links=self.links)
         if role == "prefill":
             self.part = Producer(**shared)
         else:
             self.book = PeerBook(self.links, self.addr, 5.0)
-            self.part = Consumer(**shared, tp=(rank, tp, TOTAL), peers=self.book)
+            self.part = Consumer(**shared, tp=(rank, tp), peers=self.book)
 
     def receive(self, sender, kind, tid, payload):
         """What the worker's inbox does with a message (the parts' handlers)."""
@@ -115,9 +118,8 @@ class Rank:
         elif kind == "cancel":
             self.part.on_cancel(tid, payload)
         elif kind == "describe":
-            d = {"engine": self.addr, "memory": self.pool.memory.to_dict(), "layout": dict(vars(self.layout)),
-                 "interior": self.interior, "heads": self.side.heads.to_dict(), "rank": self.rank, "tp": self.tp,
-                 "total_heads": TOTAL, "epoch": f"e{id(self)}"}
+            d = {"engine": self.addr, "groups": self.groups.infos(), "rank": self.rank, "tp": self.tp,
+                 "epoch": f"e{id(self)}"}
             sender.book.on_described(tid, d)
         elif kind in ("abort", "cancelled"):
             self.part.on_peer_message(kind, tid, payload)
@@ -302,7 +304,7 @@ def _worker(role, rank, tp, data=None):
     heads = TOTAL // tp
     raw = torch.full((N_LAYERS, NB, heads, BS, 2 * HD), -1.0) if data is None else torch.from_numpy(data.copy())
     config = ConnectorConfig.parse({"transport": "tcp", "host": "127.0.0.1"}, env={})
-    w = HixlWorker(config, role, "e", NB, BS, heads, HD, rank=rank, tp_size=tp, total_kv_heads=TOTAL)
+    w = HixlWorker(config, role, "e", NB, [GroupSpec("full", BS, (), heads, HD, TOTAL)], rank=rank, tp_size=tp)
     w.register_kv_caches({f"model.layers.{i}.self_attn.attn": raw[i] for i in range(N_LAYERS)})
     w.raw = raw
     return w
@@ -395,8 +397,11 @@ def _vllm_config(tp, pp):
 
 def _kv_cache_config():
     from types import SimpleNamespace as NS
-    spec = NS(block_size=16, num_kv_heads=4, head_size=64)
-    return NS(kv_cache_groups=[NS(kv_cache_spec=spec)], num_blocks=10)
+
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=4, head_size=64, dtype=torch.float32)
+    return NS(kv_cache_groups=[NS(kv_cache_spec=spec, layer_names=["model.layers.0.self_attn.attn"])], num_blocks=10)
 
 
 def test_the_connector_serves_tensor_parallel_ranks_and_refuses_pipeline_parallel(monkeypatch):
@@ -406,7 +411,7 @@ def test_the_connector_serves_tensor_parallel_ranks_and_refuses_pipeline_paralle
     monkeypatch.setattr(connector, "_tp_rank", lambda tp: (1, tp))
     c = connector.HixlConnector(_vllm_config(2, 1), KVConnectorRole.WORKER, _kv_cache_config())
     w = c._worker
-    assert (w.rank, w.tp_size, w.total_kv_heads, w.num_kv_heads) == (1, 2, 8, 4)
+    assert (w.rank, w.tp_size, w.specs[0].total_kv_heads, w.specs[0].num_kv_heads) == (1, 2, 8, 4)
     with pytest.raises(NotImplementedError, match="pipeline parallelism: pipeline_parallel_size must be 1"):
         connector.HixlConnector(_vllm_config(2, 2), KVConnectorRole.WORKER, _kv_cache_config())
 
@@ -419,13 +424,13 @@ def test_the_connector_serves_tensor_parallel_ranks_and_refuses_pipeline_paralle
     ("bfloat16:kv-inner(16, 4, 64)", "token", 128),    # [blocks, 2, tokens, heads, head]
 ])
 def test_a_workers_head_slice_comes_from_its_blocks_interior(interior, order, row):
-    from hixl.vllm.worker import head_slice_of
+    from hixl.vllm.cache import head_slice_of
     hs = head_slice_of(interior, 4, 16, 4, 8)
     assert (hs.lo, hs.hi, hs.order, hs.tokens, hs.row) == (4, 8, order, 16, row)
 
 
 def test_a_head_slice_is_not_guessed_where_tokens_and_heads_cannot_be_told_apart():
-    from hixl.vllm.worker import head_slice_of
+    from hixl.vllm.cache import head_slice_of
     assert head_slice_of("float16:kv-outer(16, 16, 64)", 16, 16, 0, 16) is None  # NHD or HND?
     assert head_slice_of("float32:packed(16, 16, 128)", 16, 16, 0, 16).order == "head"  # the CPU layout is known
     assert head_slice_of("float16:kv-outer(8, 4, 64)", 4, 16, 0, 4) is None  # not this block size

@@ -20,6 +20,7 @@ pytest.importorskip("vllm")
 
 import hixl  # noqa: E402
 from hixl import SUCCESS, kv  # noqa: E402
+from hixl.vllm.cache import CacheGroups  # noqa: E402
 from hixl.vllm.config import ConnectorConfig  # noqa: E402
 from hixl.vllm.consumer import Consumer  # noqa: E402
 from hixl.vllm.metadata import HixlConnectorMetadata, LoadSpec, SendStep  # noqa: E402
@@ -44,6 +45,7 @@ class FakeLinks:
         self.peers = set(linked)
         self.sent, self.posted, self.jobs, self.disconnected = [], [], [], []
         self.fail_send = None
+        self.describe = None  # (peer, nonce) -> None: answers a describe (the test's stand-in peer)
 
     def linked(self, peer):
         return peer in self.peers
@@ -57,6 +59,8 @@ class FakeLinks:
         if connect:
             self.ensure_link(peer)
         self.sent.append((peer, kind, tid, payload))
+        if kind == "describe" and self.describe is not None:
+            self.describe(peer, tid)
 
     def post(self, peer, kind, tid, payload=""):
         self.posted.append((peer, kind, tid, payload))
@@ -92,15 +96,15 @@ class Rig:
 
     def producer(self, links, seed=1, **cfg):
         e, pool = self.side(seed)
-        p = Producer(engine=e, pool=pool, layout=LAYOUT, config=ConnectorConfig(**cfg), stats=Recorder(),
-                     links=links, interior=INTERIOR)
+        p = Producer(engine=e, pool=pool, groups=CacheGroups.single(LAYOUT, pool.memory, INTERIOR),
+                     config=ConnectorConfig(**cfg), stats=Recorder(), links=links)
         self._closers.append(p.close)
         return p, e, pool
 
     def consumer(self, links, **cfg):
         e, pool = self.side()
-        c = Consumer(engine=e, pool=pool, layout=LAYOUT, config=ConnectorConfig(**cfg), stats=Recorder(),
-                     links=links, interior=INTERIOR)
+        c = Consumer(engine=e, pool=pool, groups=CacheGroups.single(LAYOUT, pool.memory, INTERIOR),
+                     config=ConnectorConfig(**cfg), stats=Recorder(), links=links)
         self._closers.append(c.rx.close)
         return c, e, pool
 
@@ -169,7 +173,8 @@ def test_the_producer_pushes_a_requests_blocks_to_the_decoder_its_grant_names(ri
     p, p_engine, p_pool = rig.producer(plinks)
     c, d_engine, d_pool = rig.consumer(dlinks)
     d, g = _grant(c, dlinks, p_engine.local_engine)  # the flag must come from the prefill the load names
-    assert d["interior"] == INTERIOR and g.decode == d_engine.local_engine and list(g.blocks) == [5, 6]
+    [group] = g.group_grants(LAYOUT)
+    assert d["groups"][0]["interior"] == INTERIOR and g.decode == d_engine.local_engine and group.blocks == (5, 6)
     plinks.peers.add(g.decode)  # the decoder's grant came over its link
     p.on_grant("t", d)  # before the prefill: claimed by its first step, pushed layer by layer
     _prefill(p)
@@ -234,7 +239,7 @@ def test_a_grant_for_another_block_interior_is_aborted_through_the_link(rig):
     d, g = _grant(c, dlinks)
     plinks = FakeLinks(linked={g.decode})
     p, _, _ = rig.producer(plinks)
-    p.on_grant("t", dict(d, interior="float32:packed(9, 9, 9)"))
+    p.on_grant("t", dict(d, groups=[dict(d["groups"][0], interior="float32:packed(9, 9, 9)")]))
     [(peer, kind, tid, why)] = plinks.posted
     assert (peer, kind, tid) == (g.decode, "abort", "t")
     assert INTERIOR in why and "float32:packed(9, 9, 9)" in why
@@ -353,12 +358,17 @@ def test_an_unconfirmed_cancel_closes_the_link(rig):
 
 def test_a_pull_from_a_prefill_of_another_layout_fails_without_a_read(rig, caplog):
     links = FakeLinks()
-    c, _, _ = rig.consumer(links)
-    other = dict(vars(LAYOUT), n_layers=LAYOUT.n_layers + 1)
-    c.start(_load(mode="pull", source={"remote_layout": other, "remote_blocks": [1, 2],
-                                       "remote_memory": {"num_blocks": BLOCKS}}))
+    c, _, pool = rig.consumer(links)
+    [ours] = c.groups.infos()
+    m = pool.memory
+    theirs = dict(ours, layout=dict(vars(LAYOUT), n_layers=LAYOUT.n_layers + 1),
+                  memory=dict(m.to_dict(), layer_addrs=list(m.layer_addrs) + [m.layer_addrs[-1] + m.span]))
+    links.describe = lambda peer, nonce: c.peers.on_described(nonce, {"engine": peer, "groups": [theirs], "rank": 0,
+                                                                      "tp": 1, "epoch": "e"})
+    c.start(_load(mode="pull", source={"remote_blocks": [1, 2]}))
     links.run_jobs()
-    assert links.peers == set()  # failed before linking
+    assert [k for _, k, _, _ in links.sent] == ["describe"]  # asked what it is, then read nothing
+    assert not c.rx._pulls
     with caplog.at_level(logging.WARNING, logger="hixl.vllm"):
         assert _finished(c) is True
-    assert f"read from the prefill {PREFILL} failed" in caplog.text and "is not ours" in caplog.text
+    assert f"read from the prefill {PREFILL} failed" in caplog.text and "the slot wants" in caplog.text

@@ -8,7 +8,8 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-_DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int8": 1, "uint8": 1, "float8": 1}
+_DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int8": 1, "uint8": 1, "float8": 1,
+           "float8_e4m3": 1, "float8_e5m2": 1}
 KINDS = ("kv", "latent", "state")
 
 
@@ -50,7 +51,8 @@ class KVLayout:
     @property
     def np_dtype(self) -> np.dtype:
         """The numpy dtype of views (bfloat16 -> uint16, float8 -> uint8: bit patterns)."""
-        return np.dtype({"bfloat16": "uint16", "float8": "uint8"}.get(self.dtype, self.dtype))
+        return np.dtype("uint8" if self.dtype.startswith("float8") else
+                        {"bfloat16": "uint16"}.get(self.dtype, self.dtype))
 
     @property
     def planes(self) -> int:

@@ -41,7 +41,7 @@ class _Target:
 
 class _Request:
     __slots__ = ("blocks", "n_tokens", "aux", "targets", "inflight", "errors", "bytes", "descs",
-                 "intervals", "t_first_submit", "external")
+                 "intervals", "t_first_submit", "external", "group_bytes")
 
     def __init__(self, blocks: List[List[Optional[int]]], n_tokens: int, external: bool = False):
         self.blocks, self.n_tokens = blocks, n_tokens  # per KV cache group: our block of each request block
@@ -51,6 +51,7 @@ class _Request:
         self.inflight = 0
         self.errors: List[str] = []
         self.bytes = 0
+        self.group_bytes = [0] * len(blocks)  # of the KV cache groups' units (aux bytes apart)
         self.descs = 0
         self.intervals: List[Tuple[float, float]] = []  # (submitted, completed), monotonic seconds
         self.t_first_submit = 0.0
@@ -264,10 +265,11 @@ class KVSender:
         with self._cv:
             return [t.grant.decode for t in self._req(request_id).targets]
 
-    def _descs(self, r: _Request, t: _Target, pairs: Iterable[Tuple[int, int]]) -> np.ndarray:
+    def _descs(self, r: _Request, t: _Target, pairs: Iterable[Tuple[int, int]]) -> Tuple[np.ndarray, Dict[int, int]]:
         """The descriptors of ``(layer, j)`` pairs: one per (layer, K|V, block), adjacent ones merged, as a
-        descriptor array (no Python object per descriptor); head-sliced targets get only the heads
-        they want. Runs of layers of one group with the same blocks are built at once."""
+        descriptor array (no Python object per descriptor), and their bytes per group; head-sliced
+        targets get only the heads they want. Runs of layers of one group with the same blocks are
+        built at once."""
         per_layer: Dict[int, List[int]] = {}
         for x, j in pairs:
             per_layer.setdefault(x, []).append(j)
@@ -279,8 +281,13 @@ class KVSender:
                 chunks[-1][1].append(i)
             else:
                 chunks.append((g, [i], js))
-        out = [self._group_descs(r, t, g, ls, js) for g, ls, js in chunks]
-        return out[0] if len(out) == 1 else np.concatenate(out) if out else np.zeros((0, 3), np.uint64)
+        out = [(g, self._group_descs(r, t, g, ls, js)) for g, ls, js in chunks]
+        by_group: Dict[int, int] = {}
+        for g, a in out:
+            by_group[g] = by_group.get(g, 0) + int(a[:, 2].sum())
+        arrays = [a for _, a in out]
+        descs = arrays[0] if len(arrays) == 1 else np.concatenate(arrays) if arrays else np.zeros((0, 3), np.uint64)
+        return descs, by_group
 
     def _group_descs(self, r: _Request, t: _Target, g: int, layers: List[int], js: List[int]) -> np.ndarray:
         view, mem = t.groups[g], self.groups.memories[g]
@@ -304,7 +311,7 @@ class KVSender:
 
         ``blocks``: the request blocks (indices ``j`` into its block list) to move, default all: a
         chunked prefill pushes each block once it is full (several KV cache groups: ``{group: js}``,
-        a group not named moving all of its known blocks; a plain list applies to every group). Each
+        a group not named moving none; a plain list applies to every group). Each
         (layer, block) goes to a target once; a target gets those of its grant only. A block the
         target wants that this side does not hold (``None``) fails the push (:class:`KVError`): the
         decoder would be flagged without it.
@@ -340,20 +347,18 @@ class KVSender:
                 continue
             self._check_held(request_id, r, t, new)
             t.pushed.update(new)
+            descs, by_group = self._descs(r, t, new)
             if complete or (complete is None and len(t.pushed) == t.need):
                 self._check_all_pushed(request_id, t)
-                descs, flag = self._stage_flag(r, t, self._descs(r, t, new))
-            else:
-                descs = self._descs(r, t, new)
+                descs, flag = self._stage_flag(r, t, descs)
             what = f"layers {sorted({x for x, _ in new})} blocks {sorted({j for _, j in new})}"
-            total += self._submit(request_id, r, t, descs, flag, what)
+            total += self._submit(request_id, r, t, descs, flag, what, by_group)
         return total
 
     def _push_blocks(self, r: _Request, blocks: Union[None, Iterable[int], Dict[int, Iterable[int]]]) -> List[List[int]]:
         """A push's request blocks per group, checked against the blocks the request has there."""
         if isinstance(blocks, dict):
-            out = [sorted(set(blocks[g])) if g in blocks else list(range(len(r.blocks[g])))
-                   for g in range(len(self.groups))]
+            out = [sorted(set(blocks.get(g, ()))) for g in range(len(self.groups))]
         else:
             js = None if blocks is None else sorted(set(blocks))
             out = [list(range(len(b))) if js is None else js for b in r.blocks]
@@ -391,11 +396,11 @@ class KVSender:
 
     def _complete_target(self, request_id: str, r: _Request, t: _Target) -> int:
         self._check_all_pushed(request_id, t)
-        descs = np.zeros((0, 3), np.uint64)
+        descs, by_group = np.zeros((0, 3), np.uint64), {}
         if t.aux_slot is None:  # no aux area: the flag rides on the last unit, sent again
-            descs = self._descs(r, t, [max(t.pushed)])
+            descs, by_group = self._descs(r, t, [max(t.pushed)])
         descs, flag = self._stage_flag(r, t, descs)
-        return self._submit(request_id, r, t, descs, flag, "completion flag")
+        return self._submit(request_id, r, t, descs, flag, "completion flag", by_group)
 
     def _stage_flag(self, r: _Request, t: _Target, descs: np.ndarray) -> Tuple[np.ndarray, int]:
         """``descs`` with the aux write (staged in the target's own slot) appended, and the flag."""
@@ -412,7 +417,7 @@ class KVSender:
         return descs, t.grant.ticket
 
     def _submit(self, request_id: str, r: _Request, t: _Target, descs: np.ndarray,
-                flag: Optional[int], what: str) -> int:
+                flag: Optional[int], what: str, by_group: Optional[Dict[int, int]] = None) -> int:
         nbytes = int(descs[:, 2].sum())
         self._acquire_credit()
         now = time.monotonic()
@@ -433,6 +438,8 @@ class KVSender:
                 r.t_first_submit = now
             r.inflight += 1
             r.bytes += nbytes
+            for g, n in (by_group or {}).items():
+                r.group_bytes[g] += n
             r.descs += len(descs)
             self._queue.append((req, request_id, now, t))
             self._cv.notify_all()
@@ -522,12 +529,14 @@ class KVSender:
             raise TransferFailed(f"kv: {len(errors)} transfer(s) of {request_id or 'the requests'} failed: {errors[0]}")
 
     def stats(self, request_id: str) -> Dict[str, Any]:
-        """bytes, transfers, busy seconds (union of submit..completion intervals), first submit and
-        last completion (monotonic seconds), whether every target got its flag."""
+        """bytes (and those of each KV cache group's units: ``group_bytes``), transfers, busy seconds
+        (union of submit..completion intervals), first submit and last completion (monotonic seconds),
+        whether every target got its flag."""
         with self._cv:
             r = self._req(request_id)
             iv = list(r.intervals)
-            return {"bytes": r.bytes, "descriptors": r.descs, "transfers": len(iv), "inflight": r.inflight,
+            return {"bytes": r.bytes, "group_bytes": list(r.group_bytes), "descriptors": r.descs,
+                    "transfers": len(iv), "inflight": r.inflight,
                     "busy_s": union_seconds(iv), "first_submit": r.t_first_submit,
                     "last_done": max((b for _, b in iv), default=0.0), "intervals": iv,
                     "flagged": all(t.flagged for t in r.targets) and bool(r.targets), "errors": list(r.errors)}

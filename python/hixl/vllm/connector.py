@@ -11,12 +11,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from .config import ConnectorConfig
 from .metadata import HixlConnectorMetadata
 from .scheduler import HixlScheduler
+from .specs import group_specs
 from .stats import HixlPromMetrics, HixlStats
 from .worker import HixlWorker
 
@@ -49,12 +51,14 @@ def _tp_rank(tp_size: int) -> tuple:
     return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
 
 
-class HixlConnector(KVConnectorBase_V1):
+class HixlConnector(KVConnectorBase_V1, SupportsHMA):
     """Prefill/decode disaggregation over hixl: layer-wise push (default) or pull, zero copy in place.
 
     ``--kv-transfer-config '{"kv_connector": "HixlConnector", "kv_connector_module_path": "hixl.vllm",
     "kv_role": "kv_producer"}'`` on prefill instances, ``"kv_consumer"`` on decode instances (or
-    ``"kv_both"``); options in ``kv_connector_extra_config`` (see :mod:`hixl.vllm.config`)."""
+    ``"kv_both"``); options in ``kv_connector_extra_config`` (see :mod:`hixl.vllm.config`). It supports
+    vLLM's hybrid KV cache manager (``SupportsHMA``): every KV cache group moves (full attention, sliding
+    window, MLA, Mamba state; :mod:`hixl.vllm.specs`)."""
 
     _cache_hit_source = CacheHitSource.P2P
 
@@ -67,22 +71,20 @@ class HixlConnector(KVConnectorBase_V1):
         if pc.pipeline_parallel_size != 1:
             raise NotImplementedError(f"HixlConnector does not support pipeline parallelism: pipeline_parallel_size "
                                       f"must be 1 (got {pc.pipeline_parallel_size}); tensor parallelism is supported")
-        if kv_cache_config is None or len(kv_cache_config.kv_cache_groups) != 1:
-            raise NotImplementedError("HixlConnector supports models with one KV cache group (full attention)")
-        spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
-        self.block_size = spec.block_size
+        if kv_cache_config is None:
+            raise NotImplementedError("HixlConnector needs vLLM's KV cache config")
+        self.specs = group_specs(kv_cache_config, vllm_config.model_config.get_total_num_kv_heads())
         self.kv_role = ktc.kv_role
         self._scheduler: Optional[HixlScheduler] = None
         self._worker: Optional[HixlWorker] = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = HixlScheduler(self.config, self.block_size, self.kv_role, engine_id=str(ktc.engine_id),
+            self._scheduler = HixlScheduler(self.config, self.specs, self.kv_role, engine_id=str(ktc.engine_id),
                                             dp_rank=pc.data_parallel_rank)
             self._scheduler.serve_bootstrap()  # prefill roles: GET /query on bootstrap_port (0: none)
         else:
             rank, tp = _tp_rank(pc.tensor_parallel_size)
             self._worker = HixlWorker(self.config, self.kv_role, ktc.engine_id, kv_cache_config.num_blocks,
-                                      spec.block_size, spec.num_kv_heads, spec.head_size, rank=rank, tp_size=tp,
-                                      total_kv_heads=vllm_config.model_config.get_total_num_kv_heads() if tp > 1 else 0)
+                                      self.specs, rank=rank, tp_size=tp)
 
     # -- worker side --------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: Dict[str, Any]) -> None:
@@ -141,6 +143,21 @@ class HixlConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: "Request", block_ids: list) -> tuple:
         return self._scheduler.request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request: "Request", block_ids: tuple) -> tuple:
+        return self._scheduler.request_finished(request, block_ids)
+
+    def on_new_request(self, request: "Request") -> None:
+        self._scheduler.on_new_request(request)
+
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self._scheduler is not None:
+            self._scheduler.kv_cache_manager = kv_cache_manager
+
+    def get_loaded_kv_cache_group_ids(self, request: "Request") -> tuple:
+        """A load restores every group that moves (vLLM must not zero their blocks meanwhile)."""
+        return tuple(s.index for s in self.specs)
 
     def update_connector_output(self, connector_output: Any) -> None:
         self._scheduler.update_connector_output(connector_output)

@@ -119,18 +119,44 @@ def decode_engine_id(engine_id: Any) -> Optional[List[str]]:
 
 
 def prefill_answer(tid: str, engines: List[str], vllm_engine_id: str, mode: str, n_tokens: int,
-                   blocks: List[int]) -> Dict[str, Any]:
+                   blocks: List[List[Optional[int]]]) -> Dict[str, Any]:
     """What a finished prefill request answers (``request_finished``): NIXL's fields and ours, and no
-    memory map (a decoder learns that once per peer over the hixl link)."""
+    memory map (a decoder learns that once per peer over the hixl link). ``blocks``: per KV cache group
+    that moves, the prefill's blocks (None: vLLM's null block, which NIXL's field gives as 0);
+    ``remote_blocks`` is one group's list, or a list per group when there are several."""
     host, port = split_addr(engines[0])
+    ours = list(blocks[0]) if len(blocks) == 1 else [list(b) for b in blocks]
     return {"do_remote_prefill": True, "do_remote_decode": False,
             # NIXL's
             "remote_engine_id": encode_engine_id(vllm_engine_id, engines), "remote_request_id": tid,
-            "remote_block_ids": [list(blocks)], "remote_host": host, "remote_port": port,
-            "remote_num_tokens": n_tokens, "tp_size": len(engines), "pp_size": 1, "transfer_mode": mode,
+            "remote_block_ids": [[0 if b is None else b for b in g] for g in blocks], "remote_host": host,
+            "remote_port": port, "remote_num_tokens": n_tokens, "tp_size": len(engines), "pp_size": 1,
+            "transfer_mode": mode,
             # ours
             "transfer_id": tid, "remote_engine": engines[0], "remote_engines": list(engines), "mode": mode,
-            "num_tokens": n_tokens, "remote_blocks": list(blocks)}
+            "num_tokens": n_tokens, "remote_blocks": ours}
+
+
+def _block_lists(p: Dict[str, Any]) -> Optional[List[List[Optional[int]]]]:
+    """The prefill's blocks per group that ``p`` names (ours: ``remote_blocks``, one group's list or one
+    per group; NIXL's ``remote_block_ids``, one per group, 0 its null block); None when neither is."""
+    def ids(x: Any, null_zero: bool) -> Optional[List[Optional[int]]]:
+        if not isinstance(x, list) or not all(b is None or (isinstance(b, int) and not isinstance(b, bool) and b >= 0)
+                                              for b in x):
+            return None
+        return [None if b is None or (null_zero and b == 0) else b for b in x]
+    ours = p.get("remote_blocks")
+    if isinstance(ours, list) and ours and all(isinstance(x, list) for x in ours):
+        lists = [ids(x, False) for x in ours]
+        return lists if all(x is not None for x in lists) else None
+    one = ids(ours, False)
+    if one is not None:
+        return [one]
+    nixl = p.get("remote_block_ids")
+    if isinstance(nixl, list) and nixl and all(isinstance(x, list) for x in nixl):
+        lists = [ids(x, True) for x in nixl]
+        return lists if all(x is not None for x in lists) else None
+    return None
 
 
 def _engines(p: Dict[str, Any]) -> Tuple[Optional[List[str]], str]:
@@ -156,15 +182,11 @@ def _engines(p: Dict[str, Any]) -> Tuple[Optional[List[str]], str]:
 def describe_remote(p: Dict[str, Any], default_mode: str, request_id: Optional[str] = None) -> Dict[str, Any]:
     """A decoder request's remote prefill, whichever contract described it: ``tid``, ``mode``,
     ``engines`` (None: ask ``bootstrap``, or ``why`` says what is missing), ``tp`` (the prefill's TP
-    size when the params name it), ``blocks`` (the prefill's blocks, for pull), ``engine_id``,
+    size when the params name it), ``blocks`` (the prefill's blocks per group, for pull), ``engine_id``,
     ``bootstrap`` and ``why`` (None when usable). ``request_id``: the decoder's own vLLM request id."""
     tid = _decoder_transfer_id(p, request_id)
     mode = p.get("mode") or default_mode
-    blocks = p.get("remote_blocks")
-    if blocks is None and isinstance(p.get("remote_block_ids"), list) and len(p["remote_block_ids"]) == 1:
-        blocks = p["remote_block_ids"][0]
-    if not (isinstance(blocks, list) and all(isinstance(b, int) and not isinstance(b, bool) for b in blocks)):
-        blocks = None
+    blocks = _block_lists(p)
     tp = p.get("tp_size")
     tp = tp if isinstance(tp, int) and not isinstance(tp, bool) and tp > 0 else None
     engines, where = _engines(p)

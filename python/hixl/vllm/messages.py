@@ -13,11 +13,15 @@ kinds:
   or the grant did not fit); the message says why;
 * ``release`` (decode -> prefill, pull mode): the decoder read the blocks; the prefill may free them
   (also sent to a prefill TP rank none of whose heads a decoder needs: it frees them at once);
+* ``relay`` (decode rank -> another rank of the same decoder): the part of this request's KV that the
+  other rank copies from us (the MLA latent, which crosses the network once) has landed here
+  (``{"ok": true}``: read it now) or will not (``{"ok": false, "why": ...}``);
 * ``describe`` (any -> a peer worker; the transfer id is a nonce): tell me your memory map; the
   message is ``{"from": <asker's engine>}``;
-* ``described`` (the answer, same nonce, in parts like a grant): the worker's engine, memory map
-  (:class:`hixl.kv.BlockMemory`), layout, block interior, KV heads (:class:`hixl.kv.HeadSlice`), TP
-  rank and size, and its registration ``epoch`` (new each time the worker registers its KV cache).
+* ``described`` (the answer, same nonce, in parts like a grant): the worker's engine, its KV cache
+  groups (each: kind, block size, window, block interior, layout, memory map
+  (:class:`hixl.kv.BlockMemory`) and KV heads (:class:`hixl.kv.HeadSlice`)), TP rank and size, and its
+  registration ``epoch`` (new each time the worker registers its KV cache).
   A worker asks each peer once and caches the answer; it asks again when its link to the peer was
   re-established (the peer may have restarted) or a read from it failed.
 """
@@ -29,7 +33,7 @@ import time
 from typing import Dict, List, Optional, Tuple
 
 PREFIX = "hixl.vllm/"
-KINDS = ("grant", "cancel", "cancelled", "abort", "release", "describe", "described")
+KINDS = ("grant", "cancel", "cancelled", "abort", "release", "relay", "describe", "described")
 PARTED = ("grant", "described")  # kinds whose payload may span several notifies
 MAX_MSG = 1024
 MAX_PARTS = 256

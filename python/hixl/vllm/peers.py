@@ -1,5 +1,5 @@
-"""What a worker knows of its peer workers: each one's description (memory map, layout, block
-interior, KV heads, TP rank and size, registration epoch), learned over the hixl link with the
+"""What a worker knows of its peer workers: each one's description (its KV cache groups' memory maps,
+layouts, block interiors and KV heads, TP rank and size, registration epoch), learned over the hixl link with the
 ``describe``/``described`` messages of :mod:`hixl.vllm.messages` once per peer and cached, so that
 per-request parameters need not carry it.
 
@@ -19,7 +19,7 @@ from .links import Links
 
 _log = logging.getLogger("hixl.vllm")
 
-FIELDS = ("engine", "memory", "layout", "interior", "heads", "rank", "tp", "total_heads", "epoch")
+FIELDS = ("engine", "groups", "rank", "tp", "epoch")
 
 
 class PeerBook:

@@ -11,6 +11,11 @@ that comes late gets what the others got already. Which thread pushes a grant is
 lock: the forward thread while the request is being computed, the inbox thread once it was (each
 pending grant is claimed by exactly one of them). Nothing here ever waits on the
 decoder: a push only posts (the engine copies or the NIC writes), bounded by ``max_inflight``.
+
+Several KV cache groups: a layer's blocks are those of its group, as far as the decoder wants them (a
+sliding window's blocks behind the window never move). A Mamba group's state is complete only once the
+prompt is, and its layers have no ``save_kv_layer`` hook: the states move when the last step's forward
+ends (``wait_for_save``), with the flag.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from typing import Any, Dict, List, Optional
 
 from .. import kv
 from ..engine import Hixl
+from .cache import CacheGroups
 from .config import ConnectorConfig
 from .links import Links
 from .metadata import HixlConnectorMetadata, SendStep
@@ -35,12 +41,12 @@ _MAX_REMEMBERED = 4096  # transfer ids remembered as expired/cancelled (late gra
 
 class _Send:
     __slots__ = ("rid", "tid", "n_tokens", "blocks", "grants", "decoders", "fanin", "attached", "dead", "phase",
-                 "step", "done_upto", "t_start", "t_computed", "t_finished", "released", "cancel", "added", "stale",
+                 "step", "done", "t_start", "t_computed", "t_finished", "released", "cancel", "added", "stale",
                  "aborted_sent", "busy", "lock", "cancelled_by", "first_grant")
 
     def __init__(self, rid: str, tid: str, n_tokens: int):
         self.rid, self.tid, self.n_tokens = rid, tid, n_tokens
-        self.blocks: List[int] = []
+        self.blocks: List[List[Optional[int]]] = []  # per group (None: a block we do not hold)
         self.grants: List[kv.Grant] = []  # grants not claimed yet
         self.decoders: List[str] = []     # the decoders whose grants were claimed
         self.fanin = 1              # how many decoders will grant (TP: one per decoder rank needing our heads)
@@ -48,7 +54,7 @@ class _Send:
         self.dead: Optional[str] = None  # why nothing more is sent
         self.phase = "computing"    # computing -> computed (prompt done) ; finished is t_finished
         self.step: Optional[SendStep] = None
-        self.done_upto = 0          # request blocks complete before the current step
+        self.done: List[int] = []   # per group: request blocks complete before the current step
         self.t_start = time.monotonic()
         self.t_computed = 0.0
         self.t_finished = 0.0       # vLLM finished the request (its blocks are held for us)
@@ -71,16 +77,21 @@ class _Send:
 class Producer:
     """Pushes the KV of the requests vLLM computes here to the decoders that granted blocks for them:
     ``engine`` and ``pool`` (vLLM's KV cache, registered) carry the writes, ``links`` the messages to
-    decoders (aborts, cancel confirmations), ``stats`` records each transfer's end; ``interior`` is
-    the KV blocks' interior, which a grant's must match; ``heads`` the KV heads our blocks hold
-    (tensor parallelism: head-sliced grants need it)."""
+    decoders (aborts, cancel confirmations), ``stats`` records each transfer's end; ``groups``
+    (:class:`~hixl.vllm.cache.CacheGroups`) are the KV cache groups (their interiors, which a grant's must
+    match, and the KV heads our blocks hold: head-sliced grants need them)."""
 
-    def __init__(self, engine: Hixl, pool: kv.KVPool, layout: kv.KVLayout, config: ConnectorConfig,
-                 stats: Recorder, links: Links, interior: str, heads: Optional[kv.HeadSlice] = None):
-        self.layout, self.config, self.stats, self.links, self.interior = layout, config, stats, links, interior
+    def __init__(self, engine: Hixl, pool: kv.KVPool, groups: CacheGroups, config: ConnectorConfig,
+                 stats: Recorder, links: Links):
+        self.groups, self.config, self.stats, self.links = groups, config, stats, links
         self._wake = threading.Event()  # a decoder's message came, or our writes settled: finished() waits
-        self.tx = kv.KVSender(engine, layout, pool=pool, max_inflight=config.max_inflight, timeout=config.timeout_s,
-                              heads=heads, on_settled=lambda _rid: self._wake.set())
+        self.tx = kv.KVSender(engine, None, pool=pool, max_inflight=config.max_inflight, timeout=config.timeout_s,
+                              heads=groups.heads, on_settled=lambda _rid: self._wake.set())
+        self._all = range(groups.kv.n_layers)
+        hooked = [x for x in groups.order if x in groups.hooked]
+        self._last_hooked = hooked[-1] if hooked else -1
+        self._unhooked = [x for x in groups.order if x not in groups.hooked]  # Mamba layers: pushed at the end
+        self._step_layers: List[int] = []  # the layers computed so far in this step
         self._lock = threading.Lock()
         self._sends: Dict[str, _Send] = {}         # by vLLM request id
         self._by_tid: Dict[str, _Send] = {}
@@ -99,6 +110,7 @@ class Producer:
                 s = self._sends.get(rid)
                 if s is None:
                     s = _Send(rid, st.transfer_id, st.n_tokens)
+                    s.done = [0] * len(self.groups)
                     self._sends[rid] = s
                     if st.transfer_id in self._by_tid:
                         s.dead = f"transfer id {st.transfer_id} is already in use by another request"
@@ -111,55 +123,71 @@ class Producer:
                     if g is not None:
                         s.grants, s.fanin, s.first_grant = list(g[0]), g[1], g[0][0]
                     s.released = self._released.pop(st.transfer_id, False)
-                if st.blocks != s.blocks:
-                    s.blocks, s.stale = list(st.blocks), s.added
+                blocks = st.group_blocks()
+                if blocks != s.blocks:
+                    s.blocks, s.stale = blocks, s.added
                 s.step = st
                 if s.dead is None:
                     self._step.append(s)
+        self._step_layers = []
         self.step_active = bool(self._step)
 
+    def _step_blocks(self, s: _Send) -> Dict[int, range]:
+        """Per group, the request blocks that become complete in this step."""
+        return {g: range(lo, hi) for g, (lo, hi) in enumerate(s.step.group_spans())}
+
+    def _done_blocks(self, s: _Send) -> Dict[int, range]:
+        """Per group, the request blocks complete before this step (or, once computed, all of them)."""
+        return {g: range(0, n) for g, n in enumerate(s.done)}
+
     def layer_done(self, layer: int) -> None:
-        """vLLM's ``save_kv_layer``: ``layer`` of this step is in the KV cache."""
-        last = layer == self.layout.n_layers - 1
+        """vLLM's ``save_kv_layer``: ``layer`` (our global number) of this step is in the KV cache."""
+        g, _ = self.groups.kv.group_of(layer)
+        last = layer == self._last_hooked and not self._unhooked  # the flag rides on it
         for s in self._step:
             if s.dead:
                 continue
+            step = self._step_blocks(s)
             if s.grants:
                 with self._lock:
                     new, s.grants = s.grants, []
                 # a grant came now: what was computed before goes first (to its decoder only)
-                if new and not self._attach(s, new, [(range(self.layout.n_layers), range(0, s.done_upto)),
-                                                     (range(0, layer), range(s.step.lo, s.step.hi))], False):
+                if new and not self._attach(s, new, [(self._all, self._done_blocks(s)), (self._step_layers, step)],
+                                            False):
                     continue
             if not s.attached:
                 continue
-            js = range(s.step.lo, s.step.hi)
             complete = s.step.final and last
-            if js or complete:
-                self._push(s, [layer], js, complete)
+            if len(step[g]) or complete:
+                self._push(s, [layer], {g: step[g]}, complete)
+        self._step_layers.append(layer)
 
     def end_step(self) -> None:
         now = time.monotonic()
-        whole = []
+        whole, states = [], []
         with self._lock:
             for s in self._step:
-                s.done_upto = s.step.hi
+                s.done = [hi for _, hi in s.step.group_spans()]
                 if s.step.final:
                     s.phase, s.t_computed = "computed", now
                     if s.grants and not s.dead:  # grants came after the last layer: everything now
                         whole.append((s, s.grants))
                         s.grants = []
+                    elif s.attached and not s.dead and self._unhooked:
+                        states.append(s)
                 s.step = None
             self._step = []
         self.step_active = False
+        for s in states:  # the Mamba states, complete now, and the flag
+            self._push(s, self._unhooked, self._done_blocks(s), True)
         for s, new in whole:
-            self._attach(s, new, [(range(self.layout.n_layers), range(0, s.done_upto))], True)
+            self._attach(s, new, [(self._all, self._done_blocks(s))], True)
 
     # -- pushes --------------------------------------------------------------------------------
     def _attach(self, s: _Send, grants: List[kv.Grant], pushes: list, complete: bool) -> bool:
-        """Adds the grants' decoders as the request's targets and pushes ``(layers, blocks)`` pairs (the
-        last one flagged when ``complete``; a target has each pair once, so the ones added before get
-        only what they lack). False (and the request dead) on failure."""
+        """Adds the grants' decoders as the request's targets and pushes ``(layers, {group: blocks})``
+        pairs (the last one flagged when ``complete``; a target has each pair once, so the ones added
+        before get only what they lack). False (and the request dead) on failure."""
         with s.lock:  # no push of the request is being posted while its targets change
             for g in grants:
                 s.decoders.append(g.decode)  # claimed (it hears an abort if the request fails)
@@ -174,15 +202,15 @@ class Producer:
                 except (kv.KVError, ValueError) as e:
                     self._fail(s, f"the grant of the decoder {g.decode} cannot be served: {e}")
                     return False
-        todo = [(ls, js) for ls, js in pushes if len(ls) and len(js)]
+        todo = [(ls, js) for ls, js in pushes if len(ls) and any(len(j) for j in js.values())]
         for i, (ls, js) in enumerate(todo):
             if not self._push(s, ls, js, complete and i == len(todo) - 1):
                 return False
         if complete and not todo:
-            return self._push(s, [self.layout.n_layers - 1], range(0, 0), True)
+            return self._push(s, [self._all[-1]], {}, True)
         return True
 
-    def _push(self, s: _Send, layers, js, complete: bool) -> bool:
+    def _push(self, s: _Send, layers, blocks: Dict[int, range], complete: bool) -> bool:
         # under the send's own lock, with the check that it is still wanted: a cancel is confirmed under
         # the same lock once nothing is in flight, so no push can be posted after that confirmation
         with s.lock:
@@ -192,7 +220,7 @@ class Producer:
                 if s.stale:
                     self.tx.set_blocks(s.tid, s.blocks, partial=True)
                     s.stale = False
-                self.tx.push(s.tid, layers, blocks=js, complete=True if complete else False)
+                self.tx.push(s.tid, layers, blocks=blocks, complete=True if complete else False)
                 return True
             except (kv.KVError, ValueError) as e:
                 self._fail(s, f"push failed: {e}")
@@ -207,20 +235,19 @@ class Producer:
     def on_grant(self, tid: str, d: Dict[str, Any]) -> None:
         try:
             g = kv.Grant.from_dict(d["grant"])
-            interior = d.get("interior")
             fanin = int(d.get("fanin", 1))
-            sliced = g.head_slice()[0] is not None
+            sliced = [v.heads is not None for v in g.group_grants(self.tx.layout)]
         except (KeyError, TypeError, ValueError) as e:
             decode = d.get("grant", {}).get("decode") if isinstance(d.get("grant"), dict) else None
             _log.warning("hixl.vllm: malformed grant for %s from %s: %s", tid, decode, e)
             if isinstance(decode, str):
                 self.links.post(decode, "abort", tid, f"malformed grant: {e}")
             return
-        # head-sliced: the two sides' blocks hold different heads; the rest of the interior must match
-        if (interior != self.interior if not sliced else
-                not isinstance(interior, str) or interior.split("(")[0] != self.interior.split("(")[0]):
-            self.links.post(g.decode, "abort", tid, f"the prefill's KV blocks are {self.interior}, the decoder's "
-                                                    f"{interior}: they cannot be copied as they are")
+        # each group as the decoder has it (head-sliced: their blocks hold other heads, the rest must match)
+        why = self.groups.mismatch(d.get("groups"), sliced)
+        if why is not None:
+            self.links.post(g.decode, "abort", tid, f"the prefill's KV blocks cannot be copied into the decoder's "
+                                                    f"as they are: {why.replace('the peer', 'the decoder')}")
             return
         whole, why = self._take_grant(tid, g, fanin)
         self._wake.set()
@@ -229,7 +256,7 @@ class Producer:
         elif whole is not None:
             s, new = whole
             try:
-                self._attach(s, new, [(range(self.layout.n_layers), range(0, s.done_upto))], True)
+                self._attach(s, new, [(self._all, self._done_blocks(s))], True)
             finally:
                 with self._lock:
                     s.busy = False
@@ -413,8 +440,11 @@ class Producer:
             busy = kv.union_seconds(st["intervals"])
             hidden = kv.union_seconds([(a, min(b, s.t_computed)) for a, b in st["intervals"] if a < s.t_computed]) \
                 if s.t_computed else 0.0
+            kinds: Dict[str, int] = {}
+            for grp, n in zip(self.groups.items, st["group_bytes"]):
+                kinds[grp.spec.kind] = kinds.get(grp.spec.kind, 0) + n
             self.stats.sent(st["bytes"], st["descriptors"], st["transfers"], busy, busy - hidden,
-                              ok=why is None)
+                            ok=why is None, by_kind=kinds)
         if why is not None:
             if "expired" in why:
                 self.stats.expired()

@@ -29,6 +29,7 @@ from .bootstrap import BootstrapServer
 from .config import DEFAULT_BOOTSTRAP_PORT, ConnectorConfig
 from .lookups import BootstrapLookups
 from .metadata import HixlConnectorMetadata, HixlHandshake, LoadSpec, SendStep
+from .specs import GroupSpec, backoff_of
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -44,14 +45,25 @@ _SHOWN = ("transfer_id", "remote_request_id", "remote_engine", "remote_engines",
 class _Prefill:
     transfer_id: str
     n_tokens: int
-    blocks: list
-    pushed: int = 0  # request blocks already announced complete
+    blocks: list                 # per group (None: a block not held)
+    pushed: list                 # per group: request blocks already announced complete
+
+
+def _null(b: int) -> Optional[int]:
+    """vLLM's block id as ours: its null block (id 0: a sliding window's blocks behind the window, a
+    Mamba group's unused positions) is a block the request does not hold."""
+    return None if b == 0 else b
 
 
 class HixlScheduler:
-    def __init__(self, config: ConnectorConfig, block_size: int, role: str, engine_id: str = "hixl",
+    """The scheduler side for ``role``; ``specs``: the KV cache groups that move (their ``index`` is their
+    place in the block-id tuples vLLM hands out)."""
+
+    def __init__(self, config: ConnectorConfig, specs: List[GroupSpec], role: str, engine_id: str = "hixl",
                  dp_rank: int = 0, lookups: Optional[BootstrapLookups] = None):
-        self.config, self.block_size, self.role = config, block_size, role
+        self.config, self.specs, self.role = config, list(specs), role
+        self.backoff = backoff_of(self.specs)
+        self.kv_cache_manager: Any = None  # vLLM's, once bound: the blocks a request holds now, per group
         self.engine_id, self.dp_rank = engine_id, dp_rank  # vLLM's engine id (kv_transfer_config.engine_id)
         self.engines: List[str] = []           # the workers' hixl engines by TP rank (from the handshake)
         self.engine: Optional[str] = None      # engines[0]
@@ -130,8 +142,44 @@ class HixlScheduler:
             _log.warning("hixl.vllm: request %s asks for a remote prefill, but this instance is kv_producer: "
                          "computing it here", request.request_id)
             return 0, False
-        n = request.num_prompt_tokens - num_computed_tokens
+        n = self._loaded_tokens(request) - num_computed_tokens
         return (n, True) if n > 0 else (0, False)
+
+    def _loaded_tokens(self, request: "Request") -> int:
+        """Prompt tokens a decoder loads: all but the ``backoff`` last, which it computes itself."""
+        n = request.num_prompt_tokens
+        return n - self.backoff if n > self.backoff else n
+
+    def on_new_request(self, request: "Request") -> None:
+        """A prefill request whose KV goes to a decoder stops ``backoff`` tokens short of its prompt (the
+        decoder computes them: :func:`hixl.vllm.specs.backoff_of`), and computes only its prompt."""
+        p = self._params(request)
+        if (not self.backoff or not p.get("do_remote_decode") or self.role == "kv_consumer"
+                or p.get("_hixl_truncated") or request.num_prompt_tokens <= self.backoff
+                or request.get_skip_reading_prefix_cache()):
+            return
+        b = self.backoff
+        if request.prompt_token_ids is not None:
+            del request.prompt_token_ids[-b:]
+        elif request.prompt_embeds is not None:
+            request.prompt_embeds = request.prompt_embeds[:-b]
+        else:
+            return
+        if getattr(request, "prompt_is_token_ids", None) is not None:
+            request.prompt_is_token_ids = request.prompt_is_token_ids[:-b]
+        del request._all_token_ids[-b:]
+        request.num_prompt_tokens -= b
+        request.max_tokens = 1
+        p["_hixl_truncated"] = True
+
+    def _held_blocks(self, block_ids: Any) -> List[List[Optional[int]]]:
+        """The blocks of the groups that move, from vLLM's tuple over every group (or one group's list)."""
+        if block_ids and not isinstance(block_ids[0], (list, tuple)):
+            block_ids = (block_ids,)
+        return [[_null(b) for b in block_ids[s.index]] for s in self.specs]
+
+    def _nb(self, n_tokens: int) -> List[int]:
+        return [-(-n_tokens // s.block_size) for s in self.specs]
 
     def update_state_after_alloc(self, request: "Request", blocks: Any, num_external_tokens: int) -> None:
         p = self._params(request)
@@ -143,7 +191,8 @@ class HixlScheduler:
             if tid is None:
                 _log.warning("hixl.vllm: request %s has no usable transfer id: its KV is not sent", rid)
                 return
-            self._prefills[rid] = _Prefill(tid, request.num_prompt_tokens, [])
+            self._prefills[rid] = _Prefill(tid, request.num_prompt_tokens, [[] for _ in self.specs],
+                                           [0] * len(self.specs))
             return
         if not p.get("do_remote_prefill") or p.get("_hixl_staged"):
             return
@@ -153,17 +202,32 @@ class HixlScheduler:
             if want["why"] is None:
                 self._resolve(rid, None, want)  # the prefill need not wait for our grant
             return
-        (block_ids,) = blocks.get_block_ids()
-        n = request.num_prompt_tokens
-        first = (n - num_external_tokens) // self.block_size
-        nb = -(-n // self.block_size)
-        source = {"remote_blocks": list(want["blocks"])} if want["mode"] == "pull" else None
+        n = self._loaded_tokens(request)
+        local = n - num_external_tokens
+        source = {"remote_blocks": want["blocks"]} if want["mode"] == "pull" else None
         spec = LoadSpec(transfer_id=want["tid"] or "invalid", mode=want["mode"], peer="",
-                        blocks=list(block_ids[first:nb]), first_block=first, n_tokens=n, source=source)
+                        blocks=self._wanted(self._held_blocks(blocks.get_block_ids()), n, local),
+                        first_block=local // self.specs[0].block_size, n_tokens=n, source=source,
+                        siblings=list(self.engines), local_tokens=local)
         if want["why"] is not None:
             self._fail_load(rid, spec, want["why"], p)
             return
         self._resolve(rid, spec, want)
+
+    def _wanted(self, held: List[List[Optional[int]]], n: int, local: int) -> List[List[Optional[int]]]:
+        """Per group, our blocks for request blocks ``0 .. nb`` of ``n`` tokens that the load fills: those
+        we hold from the first one past the ``local`` tokens we have (a sliding window: its window;
+        vLLM's null block elsewhere), and of a Mamba group the state after the prompt only."""
+        out = []
+        for spec, blocks, nb in zip(self.specs, held, self._nb(n)):
+            blocks = (blocks + [None] * nb)[:nb]
+            if spec.kind == "mamba":
+                last = max((j for j, b in enumerate(blocks) if b is not None), default=None)
+                out.append([b if j == last else None for j, b in enumerate(blocks)])
+            else:
+                first = local // spec.block_size
+                out.append([b if j >= first else None for j, b in enumerate(blocks)])
+        return out
 
     # -- where the prefill's hixl engines are ------------------------------------------------------
     def _resolve(self, rid: str, spec: Optional[LoadSpec], want: Dict[str, Any]) -> bool:
@@ -224,7 +288,7 @@ class HixlScheduler:
             for req in so.scheduled_new_reqs:
                 pf = self._prefills.get(req.req_id)
                 if pf is not None:
-                    pf.blocks = list(req.block_ids[0])
+                    pf.blocks = self._held_blocks(req.block_ids)
                     self._step(meta, req.req_id, pf, req.num_computed_tokens, so)
             cached = so.scheduled_cached_reqs
             for i, rid in enumerate(cached.req_ids):
@@ -233,21 +297,33 @@ class HixlScheduler:
                     continue
                 new = cached.new_block_ids[i]
                 if rid in cached.resumed_req_ids:  # preempted and resumed: its blocks were replaced
-                    pf.blocks, pf.pushed = list(new[0]) if new else [], 0
+                    pf.blocks = self._held_blocks(new) if new else [[] for _ in self.specs]
+                    pf.pushed = [0] * len(self.specs)
                 elif new:
-                    pf.blocks += list(new[0])
+                    pf.blocks = [old + more for old, more in zip(pf.blocks, self._held_blocks(new))]
                 self._step(meta, rid, pf, cached.num_computed_tokens[i], so)
         return meta
 
     def _step(self, meta: HixlConnectorMetadata, rid: str, pf: _Prefill, computed: int, so: "SchedulerOutput") -> None:
         after = min(pf.n_tokens, computed + so.num_scheduled_tokens.get(rid, 0))
         final = after >= pf.n_tokens
-        hi = -(-pf.n_tokens // self.block_size) if final else after // self.block_size
-        meta.sends[rid] = SendStep(transfer_id=pf.transfer_id, blocks=list(pf.blocks), n_tokens=pf.n_tokens,
-                                   lo=pf.pushed, hi=hi, final=final)
-        pf.pushed = hi
+        if self.kv_cache_manager is not None:  # what it holds now: a sliding window's blocks behind it are gone
+            pf.blocks = self._held_blocks(self.kv_cache_manager.get_blocks(rid).get_block_ids())
+        spans = []
+        for k, (spec, nb) in enumerate(zip(self.specs, self._nb(pf.n_tokens))):
+            if spec.kind == "mamba":  # the state is complete with the prompt only
+                spans.append((0, nb) if final else (0, 0))
+                continue
+            hi = nb if final else after // spec.block_size
+            spans.append((pf.pushed[k], hi))
+            pf.pushed[k] = hi
+        blocks = [lst[:nb] for lst, nb in zip(pf.blocks, self._nb(pf.n_tokens))]
+        meta.sends[rid] = SendStep(transfer_id=pf.transfer_id, blocks=blocks, n_tokens=pf.n_tokens, lo=spans[0][0],
+                                   hi=spans[0][1], final=final, spans=spans)
 
-    def request_finished(self, request: "Request", block_ids: list) -> Tuple[bool, Optional[Dict[str, Any]]]:
+    def request_finished(self, request: "Request", block_ids: Any) -> Tuple[bool, Optional[Dict[str, Any]]]:
+        """vLLM's ``request_finished`` (one group's block ids) and ``request_finished_all_groups`` (a
+        tuple over every group): whether we hold the blocks, and the answer a decoder needs."""
         rid = request.request_id
         waiting = self._waiting.pop(rid, None)
         if waiting is not None and waiting[0] is not None:
@@ -261,7 +337,9 @@ class HixlScheduler:
                                "remote_engine_id": self.engine_id_for_routers(), "tp_size": len(self.engines),
                                "mode": self.config.mode, "role": self.role}
             return False, None
-        hold = bool(block_ids)
+        held = [lst[:nb] for lst, nb in zip(self._held_blocks(block_ids), self._nb(pf.n_tokens))] if block_ids \
+            else [[] for _ in self.specs]
+        hold = any(b is not None for lst in held for b in lst)
         if hold:
             self._held[rid] = time.monotonic()
             self._new_held[rid] = pf.transfer_id
@@ -269,10 +347,8 @@ class HixlScheduler:
             return hold, None
         # what a decoder needs to ask for a push or to read (pull) the blocks, in NIXL's fields and ours;
         # "mode" is this instance's preference, a router may choose the other
-        nb = -(-pf.n_tokens // self.block_size)
-        group = block_ids[0] if block_ids and isinstance(block_ids[0], (list, tuple)) else block_ids
         return hold, contracts.prefill_answer(pf.transfer_id, self.engines, self.engine_id, self.config.mode,
-                                              pf.n_tokens, list(group[:nb]))
+                                              pf.n_tokens, held)
 
     def update_connector_output(self, output: Any) -> None:
         for rid in output.finished_sending or ():

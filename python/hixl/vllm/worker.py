@@ -1,13 +1,14 @@
 """The worker side of :class:`hixl.vllm.HixlConnector` (runs in vLLM's worker process, beside the model).
 
 It owns a hixl engine (listening on ``host:port``), registers vLLM's own KV cache tensors with it as
-they are (:meth:`hixl.kv.KVPool.wrap`: no staging pool, no copy), and runs two small threads that
+they are (:meth:`hixl.kv.KVPool.wrap_groups`, one group per KV cache group that moves: no staging pool,
+no copy; :mod:`hixl.vllm.cache` describes them), and runs two small threads that
 block (never spin): the *inbox* waits for notifies from peers (grants, cancels, releases, aborts) and
 the *jobs* thread (:class:`~hixl.vllm.engine_links.EngineLinks`, the links to peers) does what may wait
 on a peer (connect, send a notify, start a pull) so that the forward pass never waits on the network.
 The prefill part is :class:`~hixl.vllm.producer.Producer`, the decode part
 :class:`~hixl.vllm.consumer.Consumer`; an instance with ``kv_both`` has both. Each takes what it uses
-(engine, pool, layout, config, stats, links) from the worker, and never the worker itself.
+(engine, pool, groups, config, stats, links) from the worker, and never the worker itself.
 """
 from __future__ import annotations
 
@@ -16,112 +17,40 @@ import logging
 import threading
 import time
 import uuid
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 from .. import kv
 from ..engine import Hixl
 from ..types import SUCCESS
 from . import messages
+from .cache import CacheGroups, describe_group
 from .config import ConnectorConfig
 from .consumer import Consumer
 from .engine_links import EngineLinks
 from .metadata import HixlConnectorMetadata, HixlHandshake
 from .peers import PeerBook
 from .producer import Producer
+from .specs import GroupSpec
 from .stats import Recorder
 
 _log = logging.getLogger("hixl.vllm")
 
-_DTYPES = {"torch.float32": "float32", "torch.float16": "float16", "torch.bfloat16": "bfloat16",
-           "torch.float8_e4m3fn": "float8", "torch.float8_e5m2": "float8", "torch.uint8": "uint8",
-           "torch.int8": "int8"}
-
-
-def describe_kv_caches(kv_caches: Dict[str, Any], names: List[str], num_blocks: int, block_size: int,
-                       num_kv_heads: int, head_size: int) -> Tuple[kv.KVLayout, kv.BlockMemory, str]:
-    """vLLM's per-layer KV cache tensors as a :class:`hixl.kv.KVLayout`, a :class:`hixl.kv.BlockMemory`
-    (where each layer's blocks are) and a string naming the block interior (both ends must agree).
-
-    Known shapes (each block's bytes contiguous): ``[blocks, heads, tokens, 2 * head]`` (the CPU
-    backend: K and V packed in one block, one unit per (layer, block)); ``[2, blocks, ...]`` and
-    ``[blocks, 2, ...]`` (K and V in blocks of their own). Blocks always move whole."""
-    t = kv_caches[names[0]]
-    dtype = _DTYPES.get(str(t.dtype))
-    if dtype is None:
-        raise NotImplementedError(f"HixlConnector: KV cache dtype {t.dtype} is not supported")
-    layout = kv.KVLayout(n_layers=len(names), n_kv_heads=num_kv_heads, head_dim=head_size, dtype=dtype,
-                         block_tokens=block_size)
-    isz = t.element_size()
-    shape, stride = tuple(t.shape), tuple(t.stride())
-    for n in names:
-        o = kv_caches[n]
-        if tuple(o.shape) != shape or tuple(o.stride()) != stride or o.dtype != t.dtype:
-            raise NotImplementedError(f"HixlConnector: layer {n} has a KV cache of shape {tuple(o.shape)}, stride "
-                                      f"{tuple(o.stride())}, {o.dtype}; layer {names[0]} has {shape}, {stride}, "
-                                      f"{t.dtype}")
-    block = layout.block_bytes  # one of K or V
-    if len(shape) >= 2 and shape[0] == num_blocks and t[0].is_contiguous() and t[0].nbytes == 2 * block:
-        parts, part_stride, block_stride, unit = 1, 0, stride[0] * isz, 2 * block
-        interior = f"packed{shape[1:]}"
-    elif len(shape) >= 3 and shape[0] == 2 and shape[1] == num_blocks and t[0, 0].is_contiguous() \
-            and t[0, 0].nbytes == block:
-        parts, part_stride, block_stride, unit = 2, stride[0] * isz, stride[1] * isz, block
-        interior = f"kv-outer{shape[2:]}"
-    elif len(shape) >= 3 and shape[0] == num_blocks and shape[1] == 2 and t[0, 0].is_contiguous() \
-            and t[0, 0].nbytes == block:
-        parts, part_stride, block_stride, unit = 2, stride[1] * isz, stride[0] * isz, block
-        interior = f"kv-inner{shape[2:]}"
-    else:
-        raise NotImplementedError(f"HixlConnector: a KV cache of shape {shape} and stride {stride} "
-                                  f"({num_blocks} blocks of {block_size} tokens, {num_kv_heads} heads of "
-                                  f"{head_size}) is not a layout it knows")
-    memory = kv.BlockMemory(layer_addrs=tuple(kv_caches[n].data_ptr() for n in names), num_blocks=num_blocks,
-                            block_stride=block_stride, unit_bytes=unit, parts=parts, part_stride=part_stride,
-                            token_major=False)
-    return layout, memory, f"{dtype}:{interior}"
-
-
-def head_slice_of(interior: str, num_kv_heads: int, block_size: int, lo: int, hi: int) -> Optional[kv.HeadSlice]:
-    """The :class:`hixl.kv.HeadSlice` of blocks of ``interior`` (:func:`describe_kv_caches`) holding the
-    KV heads ``[lo, hi)``; None when the interior does not say where its heads are (a block of as many
-    tokens as heads, heads and tokens not told apart: such blocks move whole only)."""
-    try:
-        dtype, rest = interior.split(":", 1)
-        kind, dims_s = rest.split("(", 1)
-        dims = tuple(int(x) for x in dims_s.rstrip(")").split(",") if x.strip())
-        isz = kv.KVLayout(n_layers=1, n_kv_heads=1, head_dim=1, dtype=dtype).itemsize
-    except ValueError:
-        return None
-    if len(dims) != 3 or hi - lo != num_kv_heads:
-        return None
-    if dims[:2] == (num_kv_heads, block_size) and (num_kv_heads != block_size or kind == "packed"):
-        order = "head"
-    elif dims[:2] == (block_size, num_kv_heads) and num_kv_heads != block_size:
-        order = "token"
-    else:
-        return None
-    return kv.HeadSlice(lo=lo, hi=hi, order=order, tokens=block_size, row=dims[2] * isz)
-
-
 class HixlWorker:
-    """``rank`` and ``tp_size``: this worker's tensor-parallel rank and the TP size; ``total_kv_heads``:
-    the model's KV heads (0: ``num_kv_heads * tp_size``); ``num_kv_heads`` is this rank's (vLLM's
-    KV cache spec is per rank)."""
+    """``specs``: the KV cache groups that move (:func:`hixl.vllm.specs.group_specs`; a single group may
+    leave its layer names empty: every layer vLLM registers); ``num_blocks``: the blocks of vLLM's
+    cache (one id space for every group); ``rank`` and ``tp_size``: this worker's tensor-parallel rank
+    and the TP size (vLLM's KV cache specs are per rank)."""
 
-    def __init__(self, config: ConnectorConfig, role: str, engine_id: str, num_blocks: int, block_size: int,
-                 num_kv_heads: int, head_size: int, rank: int = 0, tp_size: int = 1, total_kv_heads: int = 0):
+    def __init__(self, config: ConnectorConfig, role: str, engine_id: str, num_blocks: int,
+                 specs: List[GroupSpec], rank: int = 0, tp_size: int = 1):
         self.config, self.role, self.engine_id, self.rank = config, role, engine_id, rank
-        self.tp_size, self.total_kv_heads = tp_size, total_kv_heads or num_kv_heads * tp_size
-        self.heads: Optional[kv.HeadSlice] = None
+        self.tp_size, self.specs, self.num_blocks = tp_size, list(specs), num_blocks
+        self.groups: Optional[CacheGroups] = None
         self.epoch = uuid.uuid4().hex[:16]  # new with each registration: peers re-ask when it changes
         self.peers: Optional[PeerBook] = None
-        self.num_blocks, self.block_size = num_blocks, block_size
-        self.num_kv_heads, self.head_size = num_kv_heads, head_size
         self.engine: Optional[Hixl] = None
-        self.layer_index: Dict[str, int] = {}
         self.stats = Recorder()
         self.links: Optional[EngineLinks] = None
-        self._interior = ""
         self._stop = threading.Event()
         self._threads: List[threading.Thread] = []
         self.producer: Optional[Producer] = None
@@ -129,14 +58,25 @@ class HixlWorker:
         self._meta: Optional[HixlConnectorMetadata] = None
 
     # -- start-up ------------------------------------------------------------------------------
-    def register_kv_caches(self, kv_caches: Dict[str, Any]) -> None:
+    def _describe(self, kv_caches: Dict[str, Any]) -> CacheGroups:
         from vllm.model_executor.models.utils import extract_layer_index
+
+        order = {n: i for i, n in enumerate(sorted(kv_caches, key=extract_layer_index))}
+        groups = []
+        for spec in self.specs:
+            names = list(spec.layer_names) or list(order)
+            missing = [n for n in names if n not in kv_caches]
+            if missing:
+                raise RuntimeError(f"HixlConnector: vLLM registered no KV cache for the layers {missing[:4]} of "
+                                   f"its {spec.describe()} group")
+            names.sort(key=order.__getitem__)
+            groups.append(describe_group(spec, kv_caches, names, self.num_blocks, self.rank, self.tp_size))
+        return CacheGroups(groups, order)
+
+    def register_kv_caches(self, kv_caches: Dict[str, Any]) -> None:
         from vllm.utils.network_utils import get_ip
 
-        names = sorted(kv_caches, key=extract_layer_index)
-        self.layer_index = {n: i for i, n in enumerate(names)}
-        self.layout, memory, self.interior = describe_kv_caches(
-            kv_caches, names, self.num_blocks, self.block_size, self.num_kv_heads, self.head_size)
+        self.groups = self._describe(kv_caches)
         host = self.config.host or get_ip()
         port = self.config.port + self.rank if self.config.port else 0
         addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -147,56 +87,45 @@ class HixlWorker:
             raise RuntimeError(f"HixlConnector: hixl engine initialize({addr!r}, {opts}) failed: "
                                f"{self.engine.last_error()}")
         try:
-            self.pool = kv.KVPool.wrap(self.engine, self.layout, memory)
+            self.pool = kv.KVPool.wrap_groups(self.engine, self.groups.kv)
         except kv.KVError as e:
             self.engine.finalize()
-            raise RuntimeError(f"HixlConnector: registering vLLM's KV cache ({memory.ranges()}) failed: {e}") from e
+            raise RuntimeError(f"HixlConnector: registering vLLM's KV cache ({self.groups.kv.ranges()}) failed: "
+                               f"{e}") from e
         self.links = EngineLinks(self.engine, self.config.connect_timeout_ms)
         self.peers = PeerBook(self.links, self.engine.local_engine, self.config.connect_timeout_ms / 1000.0)
-        try:
-            lo, hi = kv.head_range(self.rank, self.tp_size, self.total_kv_heads)
-            self.heads = head_slice_of(self.interior, self.num_kv_heads, self.block_size, lo, hi)
-        except ValueError as e:
-            _log.warning("hixl.vllm: KV heads of rank %d of TP %d: %s; blocks move whole only", self.rank,
-                         self.tp_size, e)
-        shared = dict(engine=self.engine, pool=self.pool, layout=self.layout, config=self.config, stats=self.stats,
-                      links=self.links, interior=self.interior, heads=self.heads)
+        shared = dict(engine=self.engine, pool=self.pool, groups=self.groups, config=self.config, stats=self.stats,
+                      links=self.links)
         if self.role != "kv_consumer":
             self.producer = Producer(**shared)
         if self.role != "kv_producer":
-            self.consumer = Consumer(**shared, tp=(self.rank, self.tp_size, self.total_kv_heads), peers=self.peers)
+            self.consumer = Consumer(**shared, tp=(self.rank, self.tp_size), peers=self.peers)
         for name, fn in (("hixl-vllm-inbox", self._inbox_loop), ("hixl-vllm-jobs", self.links.run_jobs)):
             th = threading.Thread(target=fn, name=name, daemon=True)
             th.start()
             self._threads.append(th)
-        _log.info("hixl.vllm: %s worker engine %s (transports %s), %d layers x %d blocks of %d B registered in "
-                  "place (%s), mode %s", self.role, self.engine.local_engine, self.engine._engine.data_transport,
-                  len(names), self.num_blocks, memory.unit_bytes, self.interior, self.config.mode)
+        for k, g in enumerate(self.groups.items):
+            _log.info("hixl.vllm: KV cache group %d: %s, %d x %d B per block in place (%s)%s", k, g.spec.describe(),
+                      g.memory.parts, g.memory.unit_bytes, g.interior,
+                      "" if g.heads is not None or g.spec.kind != "full" or self.tp_size == 1 else
+                      "; its KV heads do not divide over the TP ranks: blocks move whole only")
+        _log.info("hixl.vllm: %s worker engine %s (transports %s), %d layers x %d blocks registered in place, mode %s",
+                  self.role, self.engine.local_engine, self.engine._engine.data_transport, self.groups.kv.n_layers,
+                  self.num_blocks, self.config.mode)
+
+    @property
+    def heads(self) -> Optional[kv.HeadSlice]:
+        """The first group's KV heads of this rank (None: unknown, or not attention)."""
+        return self.groups.items[0].heads if self.groups is not None else None
 
     def handshake(self) -> HixlHandshake:
         assert self.engine is not None
-        return HixlHandshake(engine=self.engine.local_engine, memory=self.pool.memory.to_dict(),
-                             layout=dict(vars(self.layout)))
+        return HixlHandshake(engine=self.engine.local_engine)
 
     def description(self) -> Dict[str, Any]:
         """What a peer learns of this worker with ``describe`` (:mod:`hixl.vllm.messages`)."""
-        return {"engine": self.engine.local_engine, "memory": self.pool.memory.to_dict(),
-                "layout": dict(vars(self.layout)), "interior": self.interior,
-                "heads": self.heads.to_dict() if self.heads is not None else None, "rank": self.rank,
-                "tp": self.tp_size, "total_heads": self.total_kv_heads, "epoch": self.epoch}
-
-    @property
-    def interior(self) -> str:
-        """The KV blocks' interior (:func:`describe_kv_caches`), which a peer's must match; setting it
-        sets the producer's and the consumer's."""
-        return self._interior
-
-    @interior.setter
-    def interior(self, value: str) -> None:
-        self._interior = value
-        for part in (self.producer, self.consumer):
-            if part is not None:
-                part.interior = value
+        return {"engine": self.engine.local_engine, "groups": self.groups.infos(), "rank": self.rank,
+                "tp": self.tp_size, "epoch": self.epoch}
 
     # -- the peer side: notifies (the jobs thread is the links') -------------------------------------
     def linked(self, peer: str) -> bool:
@@ -245,7 +174,7 @@ class HixlWorker:
                 self.producer.on_cancel(tid, msg) if kind == "cancel" else self.producer.on_release(tid, msg)
         elif kind == "describe":
             self._answer_describe(tid, msg)
-        elif kind in ("cancelled", "abort"):
+        elif kind in ("cancelled", "abort", "relay"):
             if self.consumer is not None:
                 self.consumer.on_peer_message(kind, tid, msg)
 
@@ -283,7 +212,7 @@ class HixlWorker:
 
     def save_kv_layer(self, layer_name: str) -> None:
         if self.producer is not None and self.producer.step_active:
-            layer = self.layer_index.get(layer_name)
+            layer = self.groups.index.get(layer_name)
             if layer is not None:
                 try:
                     self.producer.layer_done(layer)
