@@ -27,7 +27,7 @@ PART_EXTRA = {"proxy": "proxy", "vllm": "vllm", "metrics.py": "metrics"}
 # part (a path under tools/hixl_tools) -> (distribution, extra) its imports come with
 TOOLS_PART_EXTRA = {"demo": ("hixl-tools", "demo"), "models/smollm2.py": ("hixl-tools", "demo"),
                     "bench": ("hixl-tools", "bench"), "models/export.py": ("hixl", "vllm"),
-                    "models/tiny_llama.py": ("hixl", "vllm")}
+                    "models/tiny_llama.py": ("hixl", "vllm"), "models/tiny": ("hixl", "vllm")}
 # Imported only when the user asks for them (hixl bench --vs mooncake / nixl), installed on their own.
 REFERENCE_PEERS = {"mooncake", "nixl", "nixl_cu12"}
 OPTIONAL = set(_extras.EXTRA_OF)
