@@ -386,20 +386,29 @@ def test_a_pull_reads_each_groups_blocks_after_the_prefill(sides, name, n):
     _until(p.released)  # released by the decoder's read
 
 
-def test_an_mla_latent_crosses_once_to_a_decoder_of_two_ranks(sides):
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_an_mla_latent_crosses_once_to_a_decoder_of_two_ranks(sides, mode):
     """P TP=1 -> D TP=2: decoder rank 0 takes the latent from the prefill, rank 1 copies it from rank 0."""
     p = Prefill([sides("mla", "kv_producer", seed=11)])
     d = Decoder([sides("mla", "kv_consumer", rank=r, tp=2) for r in range(2)])
     befores = [x.raw.clone() for x in d.sides]
-    d_ids = d.load(70, {"do_remote_prefill": True, "transfer_id": "t", "remote_engine": p.sides[0].engine,
-                        "mode": "push"})
-    r = p.compute(70)
-    _until(d.poll)
+    if mode == "push":
+        d_ids = d.load(70, {"do_remote_prefill": True, "transfer_id": "t", "remote_engine": p.sides[0].engine,
+                            "mode": "push"})
+        r = p.compute(70)
+        _until(d.poll)
+        _, p_ids = p.finish(r)
+    else:
+        r = p.compute(70)
+        answer, p_ids = p.finish(r)
+        d_ids = d.load(70, dict(answer, mode="pull"))
+        _until(d.poll)
     assert not any(d.failed)
-    _, p_ids = p.finish(r)
+    _until(p.released)  # pull: released by decoder rank 0's read, not by the lease
     moved = [_check(p.sides[0], x, p_ids, d_ids, b, 70) for x, b in zip(d.sides, befores)]
     one = moved[0]["mla"]
-    assert p.sides[0].w.stats.take().data["send_bytes"] == [one]  # one copy crossed the network
+    if mode == "push":  # (a read counts on the decoder only)
+        assert p.sides[0].w.stats.take().data["send_bytes"] == [one]  # one copy crossed the network
     rank0, rank1 = (x.w.stats.take().data for x in d.sides)
     assert sum(rank0["recv_bytes"]) == one and not any(rank0["recv_relay_bytes"])
     assert sum(rank1["recv_relay_bytes"]) == one and not any(rank1["recv_bytes"])

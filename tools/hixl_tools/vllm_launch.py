@@ -83,14 +83,15 @@ class VllmInstance:
     ``HIXL_VLLM_BOOTSTRAP_PORT``, so the connector's default, 8998, never clashes on one host).
     ``whole_process``: every process of the instance (API server, engine core, workers) runs on ``cores``
     only, not just the OpenMP threads: a stand-in for a host of its own. vLLM's engine core steps, and spins
-    in its message queue, while a decoder's request waits for its KV; unbound, it runs on any core."""
+    in its message queue, while a decoder's request waits for its KV; unbound, it runs on any core.
+    ``dtype``: ``--dtype`` (float32; Qwen3-Next's linear attention runs in bfloat16 only on the CPU)."""
 
     def __init__(self, name: str, model: str, *, role: Optional[str] = None, extra: Optional[Dict[str, Any]] = None,
                  failure_policy: Optional[str] = None, cores: Optional[str] = None, port: Optional[int] = None,
                  log_dir: str = ".", kv_cache_gib: int = 1, max_model_len: int = 2048, served_name: str = "smollm2",
                  env: Optional[Dict[str, str]] = None, connector: str = CONNECTOR, module_path: Optional[str] = "auto",
                  args: Optional[List[str]] = None, tp: int = 1, threads: str = "pinned",
-                 bootstrap_port: Optional[int] = None, whole_process: bool = False):
+                 bootstrap_port: Optional[int] = None, whole_process: bool = False, dtype: str = "float32"):
         if threads not in ("pinned", "default"):
             raise ValueError(f"VllmInstance {name}: threads {threads!r} is not 'pinned' or 'default'")
         if threads == "default" and cores is not None:
@@ -102,7 +103,7 @@ class VllmInstance:
         self.bootstrap_port: Optional[int] = None
         cmd = vllm_command()
         cmd += [model] if cmd[-1] in ("serve", "--model") else []
-        cmd += ["--port", str(self.port), "--host", "127.0.0.1", "--enforce-eager", "--dtype", "float32",
+        cmd += ["--port", str(self.port), "--host", "127.0.0.1", "--enforce-eager", "--dtype", dtype,
                 "--max-model-len", str(max_model_len), "--served-model-name", served_name]
         if tp != 1:
             cmd += ["--tensor-parallel-size", str(tp)]

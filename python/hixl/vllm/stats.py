@@ -150,7 +150,8 @@ class HixlPromMetrics(KVConnectorPromMetrics):
 
         times = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
         self.counters = {
-            "send_bytes": counter("vllm:hixl_kv_sent_bytes", "KV bytes pushed or read from this prefill instance."),
+            "send_bytes": counter("vllm:hixl_kv_sent_bytes", "KV bytes pushed from this prefill instance (a decoder's reads, pull "
+                                  "mode, count on the decoder)."),
             "send_descriptors": counter("vllm:hixl_kv_sent_descriptors", "Transfer descriptors posted for KV pushes."),
             "send_ok": counter("vllm:hixl_kv_sent_requests", "Requests whose KV reached their decoder."),
             "send_busy_s": counter("vllm:hixl_kv_transfer_seconds",
