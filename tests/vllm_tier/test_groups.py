@@ -50,10 +50,13 @@ def _attn(kind, heads=2, head=8, dtype=torch.float32, block=B):
     return FullAttentionSpec(block_size=block, num_kv_heads=heads, head_size=head, dtype=dtype)
 
 
-def _model(name):
+def _model(name, block=B):
     """Layer name -> vLLM KV cache spec, for a few hybrid shapes (as vLLM's model runner reports them)."""
     if name == "sliding":      # Gemma 3 / gpt-oss: sliding and full attention layers alternating
-        return {f"model.layers.{i}.self_attn.attn": _attn("sliding" if i % 2 == 0 else "full") for i in range(4)}
+        return {f"model.layers.{i}.self_attn.attn": _attn("sliding" if i % 2 == 0 else "full", block=block)
+                for i in range(4)}
+    if name == "full":         # the same layers, all full attention
+        return {f"model.layers.{i}.self_attn.attn": _attn("full", block=block) for i in range(4)}
     if name == "mamba":        # Qwen3-Next: three linear-attention layers to one full attention layer
         page = 2 * 2 * 8 * 4 * 32  # the attention block (32 tokens of fp32 K and V) is the page
         specs = {}
@@ -71,13 +74,13 @@ def _model(name):
     raise ValueError(name)
 
 
-def _config(name, monkeypatch, budget=8 << 20):
+def _config(name, monkeypatch, budget=8 << 20, block=B):
     """vLLM's KVCacheConfig for the model: its grouping of the layers and its tensors."""
     monkeypatch.setattr(ku, "may_override_num_blocks", lambda _vc, n: n)
     cc = NS(get_resolved_kv_cache_layout=lambda: KVCacheLayout.LBHNC, prefix_cache_retention_interval=None,
             num_gpu_blocks_override=None)
     vc = NS(cache_config=cc, attention_config=NS(hisparse_config=None))
-    groups = ku._get_kv_cache_groups_uniform_page_size(_model(name))
+    groups = ku._get_kv_cache_groups_uniform_page_size(_model(name, block))
     return ku.get_kv_cache_config_from_groups(vc, groups, budget)
 
 
@@ -186,8 +189,9 @@ class Side:
     """One TP rank of an instance: vLLM's cache for the model (random bytes on a prefill), a worker over it,
     and vLLM's manager for its block ids."""
 
-    def __init__(self, name, role, monkeypatch, transport, seed=None, rank=0, tp=1, data=None):
-        self.cfg = _config(name, monkeypatch)
+    def __init__(self, name, role, monkeypatch, transport, seed=None, rank=0, tp=1, data=None, block=B,
+                 cache_dtype="auto", **cfg):
+        self.cfg = _config(name, monkeypatch, block=block)
         self.kv = allocate_kv_cache(self.cfg, torch.device("cpu"), KVCacheLayout.LBHNC)
         t = next(iter(self.kv.values()))
         self.raw = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
@@ -196,8 +200,8 @@ class Side:
         elif seed is not None:
             self.raw.copy_(torch.randint(0, 256, self.raw.shape, dtype=torch.uint8,
                                          generator=torch.Generator().manual_seed(seed)))
-        self.specs = group_specs(self.cfg, 2 * tp)
-        config = ConnectorConfig.parse({"transport": transport, "host": "127.0.0.1"}, env={})
+        self.specs = group_specs(self.cfg, 2 * tp, cache_dtype)
+        config = ConnectorConfig.parse(dict({"transport": transport, "host": "127.0.0.1"}, **cfg), env={})
         self.w = HixlWorker(config, role, "e", self.cfg.num_blocks, self.specs, rank=rank, tp_size=tp)
         self.w.register_kv_caches(self.kv)
         self.engine = self.w.engine.local_engine
@@ -428,3 +432,56 @@ def test_an_mla_latent_comes_from_one_rank_of_a_prefill_of_two(sides):
     _check(p.sides[0], d.sides[0], p_ids, d_ids, before, 70)
     _until(lambda: p.released(1), timeout=5)  # released at once, not by the lease (60 s)
     assert not p.sides[1].w.stats.take()  # sent nothing
+
+
+# ------------------------------------------------------------------------------------ refusals, failures
+@pytest.mark.parametrize("prefill,decoder,said", [
+    (dict(name="sliding"), dict(name="sliding", block=32), ["blocks of 16 tokens", "blocks of 32 tokens"]),
+    (dict(name="sliding", cache_dtype="fp8_e4m3"), dict(name="sliding", cache_dtype="fp8_e5m2"),
+     ["KV cache dtype fp8_e4m3", "KV cache dtype fp8_e5m2"]),
+    (dict(name="full"), dict(name="sliding"), ["2 KV cache group", "this side has 1", "sliding blocks", "full"]),
+    (dict(name="mla"), dict(name="sliding"), ["KV cache group", "this side has"]),
+])
+def test_a_decoder_whose_groups_differ_is_refused_naming_both_sides(sides, prefill, decoder, said, caplog):
+    """Blocks of another size, FP8 KV of another format (the same bytes to vLLM's tensors), groups of
+    another kind: the prefill aborts the grant, saying both sides; the load fails (vLLM's policy decides)."""
+    p = Prefill([sides(role="kv_producer", seed=3, **prefill)])
+    d = Decoder([sides(role="kv_consumer", **decoder)])
+    d.load(100, {"do_remote_prefill": True, "transfer_id": "t", "remote_engine": p.sides[0].engine, "mode": "push"})
+    import logging
+    with caplog.at_level(logging.WARNING, logger="hixl.vllm"):
+        _until(d.poll)
+    assert "d" in d.failed[0]
+    why = next(r.getMessage() for r in caplog.records if "failed to load its KV" in r.getMessage())
+    assert "aborted the transfer" in why and all(x in why for x in said), why
+
+
+def test_a_prefill_that_dies_before_the_state_moved_fails_the_load_not_half_of_it(sides):
+    """The attention layers were pushed, the Mamba state (pushed at the step's end, with the flag) was
+    not: the decoder's load fails when the prefill's link goes; nothing is reported received."""
+    p = Prefill([sides("mamba", "kv_producer", seed=5)])
+    d = Decoder([sides("mamba", "kv_consumer", timeout_s=60)])
+    d.load(150, {"do_remote_prefill": True, "transfer_id": "t", "remote_engine": p.sides[0].engine, "mode": "push"})
+    _until(lambda: p.sides[0].w.producer._grants or p.sides[0].w.producer._by_tid)
+    x = p.sides[0]
+    r = _request("p", 150, {"do_remote_decode": True, "transfer_id": "t"}, 16)
+    p.s.on_new_request(r)
+    assert p.m.allocate_slots(r, r.num_prompt_tokens) is not None
+    p.s.update_state_after_alloc(r, p.m.get_blocks("p"), 0)
+    meta = p.s.build_connector_meta(_so(new=[("p", p.m.get_block_ids("p"), 0)], scheduled={"p": r.num_prompt_tokens}))
+    x.w.bind(meta)
+    for n in x.hooked:  # the forward's attention layers, pushed as computed ...
+        x.w.save_kv_layer(n)
+    x.w.shutdown()      # ... and the prefill dies before the step's end
+    t0 = time.monotonic()
+    _until(d.poll, timeout=20)
+    assert "d" in d.failed[0] and time.monotonic() - t0 < 15  # its link's end, not its 60 s timeout
+    assert not d.sides[0].w.stats.take().data["recv_tokens"]
+
+
+def test_a_hybrid_prefill_whose_decoder_never_comes_frees_its_blocks_at_the_lease(sides):
+    p = Prefill([sides("sliding", "kv_producer", seed=6, lease_s=0.3)])
+    r = p.compute(150)
+    p.finish(r)
+    _until(p.released, timeout=5)
+    assert p.sides[0].w.stats.take().data["send_expired"] == 1

@@ -5,7 +5,8 @@ linear attention and full attention), each a small random-weight model of ``hixl
 One cluster per architecture, three instances: REF (TP=1, no connector), X and Y (``kv_both``). X prefills
 for Y behind ``hixl proxy`` (push, layer-wise), Y for X behind ``vllm-router`` (pull). Gemma 3 and the MLA
 model run X with TP=2, so that the first direction is P TP=2 -> D TP=1 and the second P TP=1 -> D TP=2 (the
-MLA latent crossing the network once and copied between the decoder's ranks). Every completion must equal
+MLA latent crossing the network once and copied between the decoder's ranks); gpt-oss's three instances keep
+their KV in FP8. Every completion must equal
 REF's token for token; the decoder's counters must show that every prompt token came by transfer but the
 ones vLLM's contract leaves to the decoder (with a sliding window or a Mamba state: the last one); no
 instance may log that vLLM turned its hybrid KV cache manager off; the bytes moved per group kind must be
@@ -30,12 +31,13 @@ from tests.vllm_tier.conftest import log_marks  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
-# arch: (X's TP, dtype, the KV cache group kinds that move, tokens the decoder computes of each prompt)
+# arch: (X's TP, dtype, the KV cache group kinds that move, tokens the decoder computes of each prompt,
+# more vllm serve arguments)
 ARCHS = {
-    "deepseek-v2": (2, "float32", {"mla"}, 0),
-    "gemma3": (2, "float32", {"full", "sliding"}, 1),
-    "gpt-oss": (1, "float32", {"full", "sliding"}, 1),
-    "qwen3-next": (1, "bfloat16", {"full", "mamba"}, 1),
+    "deepseek-v2": (2, "float32", {"mla"}, 0, []),
+    "gemma3": (2, "float32", {"full", "sliding"}, 1, []),
+    "gpt-oss": (1, "float32", {"full", "sliding"}, 1, ["--kv-cache-dtype", "fp8"]),  # FP8 KV (all three)
+    "qwen3-next": (1, "bfloat16", {"full", "mamba"}, 1, []),
 }
 HMA_OFF = "Turning off hybrid kv cache manager"
 
@@ -53,10 +55,10 @@ def _tiny(arch):
 @pytest.fixture(scope="module", params=list(ARCHS))
 def cluster(request):
     arch = request.param
-    tp, dtype, _, _ = ARCHS[arch]
+    tp, dtype, _, _, args = ARCHS[arch]
     model = _tiny(arch)
     logs = pd._log_dir()
-    kw = dict(log_dir=logs, served_name=pd.MODEL, dtype=dtype)
+    kw = dict(log_dir=logs, served_name=pd.MODEL, dtype=dtype, args=args)
     inst = {
         "REF": VllmInstance(f"{arch}-ref", model, cores="1", **kw),
         "X": VllmInstance(f"{arch}-x", model, role="kv_both", tp=tp, cores=None if tp > 1 else "1", **kw),

@@ -138,8 +138,9 @@ def head_slice_of(interior: str, num_kv_heads: int, block_size: int, lo: int, hi
     return kv.HeadSlice(lo=lo, hi=hi, order=order, tokens=block_size, row=dims[2] * isz)
 
 
-def _blocks_said(kind: Any, block_size: Any, window: Any) -> str:
-    return f"{kind} blocks of {block_size} tokens" + (f" (window {window})" if window else "")
+def _blocks_said(kind: Any, block_size: Any, window: Any, cache_dtype: Any) -> str:
+    return (f"{kind} blocks of {block_size} tokens" + (f" (window {window})" if window else "")
+            + (f", KV cache dtype {cache_dtype}" if cache_dtype != "auto" else ""))
 
 
 @dataclass(frozen=True)
@@ -157,8 +158,8 @@ class CacheGroup:
     def info(self) -> Dict[str, Any]:
         """What a peer must agree on (and, for a pull, needs) about this group."""
         return {"kind": self.spec.kind, "block_size": self.spec.block_size, "window": self.spec.window,
-                "interior": self.interior, "layout": dict(vars(self.layout)), "memory": self.memory.to_dict(),
-                "heads": self.heads.to_dict() if self.heads is not None else None}
+                "cache_dtype": self.spec.cache_dtype, "interior": self.interior, "layout": dict(vars(self.layout)),
+                "memory": self.memory.to_dict(), "heads": self.heads.to_dict() if self.heads is not None else None}
 
 
 def describe_group(spec: GroupSpec, kv_caches: Dict[str, Any], names: Sequence[str], num_blocks: int,
@@ -234,19 +235,24 @@ class CacheGroups:
         the group and both sides; None when they can. ``sliced[k]``: group ``k`` moves head-sliced
         (the two sides hold different KV heads: their interiors may differ in heads only)."""
         if not isinstance(theirs, list) or len(theirs) != len(self.items):
-            n = len(theirs) if isinstance(theirs, list) else theirs
-            return f"the peer has {n} KV cache group(s), this side {len(self.items)} ({self.describe()})"
+            if not isinstance(theirs, list) or not all(isinstance(t, dict) for t in theirs):
+                return (f"the peer's KV cache groups are {theirs!r:.200}, this side has {len(self.items)} "
+                        f"({self.describe()})")
+            said = "; ".join(f"{k}: {_blocks_said(t.get('kind'), t.get('block_size'), t.get('window'), t.get('cache_dtype'))}"
+                             for k, t in enumerate(theirs))
+            return (f"the peer has {len(theirs)} KV cache group(s) ({said}), this side has {len(self.items)} "
+                    f"({self.describe()})")
         for k, (g, t) in enumerate(zip(self.items, theirs)):
             if not isinstance(t, dict):
                 return f"KV cache group {k} of the peer is {t!r:.100}"
             cut = k < len(sliced) and sliced[k]
-            mine = (g.spec.kind, g.spec.block_size, g.spec.window, g.interior.split("(")[0] if cut else g.interior)
-            other = (t.get("kind"), t.get("block_size"), t.get("window"),
+            mine = (g.spec.kind, g.spec.block_size, g.spec.window, g.spec.cache_dtype,
+                    g.interior.split("(")[0] if cut else g.interior)
+            other = (t.get("kind"), t.get("block_size"), t.get("window"), t.get("cache_dtype"),
                      str(t.get("interior")).split("(")[0] if cut else t.get("interior"))
             if mine != other:
-                return (f"KV cache group {k}: this side has {_blocks_said(g.spec.kind, g.spec.block_size, g.spec.window)}"
-                        f", {g.interior}; the peer {_blocks_said(t.get('kind'), t.get('block_size'), t.get('window'))}"
-                        f", {t.get('interior')}")
+                return (f"KV cache group {k}: this side has {_blocks_said(*mine[:4])}, {g.interior}; the peer "
+                        f"{_blocks_said(*other[:4])}, {t.get('interior')}")
         return None
 
     def describe(self) -> str:

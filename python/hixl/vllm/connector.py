@@ -73,7 +73,8 @@ class HixlConnector(KVConnectorBase_V1, SupportsHMA):
                                       f"must be 1 (got {pc.pipeline_parallel_size}); tensor parallelism is supported")
         if kv_cache_config is None:
             raise NotImplementedError("HixlConnector needs vLLM's KV cache config")
-        self.specs = group_specs(kv_cache_config, vllm_config.model_config.get_total_num_kv_heads())
+        self.specs = group_specs(kv_cache_config, vllm_config.model_config.get_total_num_kv_heads(),
+                                 getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", "auto"))
         self.kv_role = ktc.kv_role
         self._scheduler: Optional[HixlScheduler] = None
         self._worker: Optional[HixlWorker] = None

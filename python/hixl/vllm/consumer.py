@@ -241,7 +241,8 @@ class Consumer:
 
     def _infos(self) -> List[Dict[str, Any]]:
         """What a grant says of our groups (the prefill checks it against its own)."""
-        return [{k: d[k] for k in ("kind", "block_size", "window", "interior")} for d in self.groups.infos()]
+        return [{k: d[k] for k in ("kind", "block_size", "window", "cache_dtype", "interior")}
+                for d in self.groups.infos()]
 
     def _offer(self, load: _Load, part: _Part, d: Dict[str, Any], remote: List[List[Optional[int]]]) -> kv.Grant:
         """The peer's blocks as a pull source: per group ``remote`` (its block ids), its memory map and

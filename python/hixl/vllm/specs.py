@@ -21,7 +21,9 @@ class GroupSpec:
     """One KV cache group: ``index`` in vLLM's ``kv_cache_groups`` (its block ids' position in the tuples vLLM
     hands out), ``kind``, tokens per block (a Mamba group: tokens one state block stands for), its layers
     (vLLM's names), and per kind: the KV heads of this rank, their total over the TP ranks and the head
-    size (attention), the window (``sliding``), the states' shapes and dtypes (``mamba``)."""
+    size (attention), the window (``sliding``), the states' shapes and dtypes (``mamba``); ``cache_dtype``
+    vLLM's ``--kv-cache-dtype`` of attention and MLA groups (FP8 KV is stored as bytes: the tensors do not
+    tell its formats apart)."""
 
     kind: str
     block_size: int
@@ -32,6 +34,7 @@ class GroupSpec:
     window: int = 0
     state: str = ""
     index: int = 0
+    cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -70,15 +73,18 @@ def _spec_kind(spec: Any) -> Tuple[str, dict]:
                               f"attention, sliding window, MLA and Mamba state groups)")
 
 
-def group_specs(kv_cache_config: Any, total_kv_heads: int = 0) -> List[GroupSpec]:
-    """The groups of vLLM's ``KVCacheConfig`` that move (``enable_kv_transfer``), in vLLM's order."""
+def group_specs(kv_cache_config: Any, total_kv_heads: int = 0, cache_dtype: str = "auto") -> List[GroupSpec]:
+    """The groups of vLLM's ``KVCacheConfig`` that move (``enable_kv_transfer``), in vLLM's order;
+    ``cache_dtype``: vLLM's ``cache_config.cache_dtype`` (``fp8`` is ``fp8_e4m3``)."""
+    cache_dtype = "fp8_e4m3" if cache_dtype == "fp8" else str(cache_dtype)
     out = []
     for i, g in enumerate(kv_cache_config.kv_cache_groups):
         if not getattr(g, "enable_kv_transfer", True):
             continue
         kind, extra = _spec_kind(g.kv_cache_spec)
         out.append(GroupSpec(kind=kind, block_size=int(g.kv_cache_spec.block_size), layer_names=tuple(g.layer_names),
-                             total_kv_heads=total_kv_heads if kind in ("full", "sliding") else 0, index=i, **extra))
+                             total_kv_heads=total_kv_heads if kind in ("full", "sliding") else 0, index=i,
+                             cache_dtype=cache_dtype if kind != "mamba" else "auto", **extra))
     if not out:
         raise NotImplementedError("HixlConnector: the model has no KV cache group to move")
     return out
