@@ -7,6 +7,10 @@ decode with the prefill's kv_transfer_params). On request (``--configs``,
 ``all``): HixlConnector push and pull behind ``vllm-router`` in its nixl mode (router-push, router-pull),
 NixlConnector behind the same router (router-nixl), and P TP=2 -> D TP=1 (push through ``hixl proxy``) on
 the tiny Llama of ``hixl model tiny-llama`` with a TP=1 instance of it as its reference (tp-mono, tp2-to-tp1).
+``mla`` and ``swa`` (also in ``all``): the tiny DeepSeek-V2 (MLA) and Gemma 3 (sliding window + full
+attention) models of ``hixl model tiny``, vLLM's hybrid KV cache manager on, behind ``vllm-router``:
+HixlConnector push and pull (in turns) and NixlConnector, on the same prompts (``mla-push``, ``mla-pull``,
+``mla-nixl``; ``swa-...``), with the KV bytes per request by KV cache group kind.
 
 Reported per configuration (median, p99 over the measured requests): TTFT and TPOT (ms, from the client's
 streamed chunks), TTFT relative to the reference instance measured in the same run, KV moved (MiB = 2^20 B,
@@ -32,7 +36,8 @@ instance serving requests by itself, is push's second reference, free of the dif
 instances' own speeds. Goals, from one run (evaluated,
 printed, never an exit status): hixl push TTFT <= NixlConnector's, hixl push's exposed transfer time <= 0.5x
 NixlConnector's transfer time, and behind vllm-router hixl TTFT (push, pull) <= NixlConnector's, as ratios
-of medians; behind hixl proxy, push TTFT <= 1.05x one instance's, per prompt: met or missed when the
+of medians; on the tiny MLA and sliding-window models, hixl's TTFT (push, pull) and KV bytes per request <=
+NixlConnector's (ratios of medians; the TTFT also per prompt, the two measured one after the other); behind hixl proxy, push TTFT <= 1.05x one instance's, per prompt: met or missed when the
 interval lies on one side of 1.05, undecided (more requests needed) when it spans it. The TP row reports
 its ratio to one TP=1 instance without a goal: on a two-layer model the per-request costs that do not grow
 with the model (two HTTP hops, the grant, the decoder's first step) are most of its TTFT.
@@ -60,12 +65,20 @@ import vllm_ttft
 WORDS = ("river stone light north garden paper silver window market cloud music table orange engine winter "
          "bridge forest letter summer island doctor planet yellow camera").split()
 MIB = float(2 ** 20)
-ALL_CONFIGS = ("mono", "p-alone", "push", "pull", "nixl", "router-push", "router-pull", "router-nixl", "tp")
+ALL_CONFIGS = ("mono", "p-alone", "push", "pull", "nixl", "router-push", "router-pull", "router-nixl", "tp", "mla",
+               "swa")
+# the hybrid rows: configuration -> the architecture of ``hixl model tiny`` it runs
+HYBRID = {"mla": "deepseek-v2", "swa": "gemma3"}
+KINDS = ("full", "sliding", "mla", "mamba")
 # (configuration, reference) measured in turns on prompts of the same length: their TTFT ratio per prompt.
 # p-alone is the prefill instance serving a request by itself: push over it is free of the difference
 # between two instances' own speeds, which the per-prompt interval does not cover.
 PAIRED = (("hixl-push", "mono"), ("hixl-pull", "mono"), ("router-push", "mono"), ("router-pull", "mono"),
-          ("tp2-to-tp1", "tp-mono"), ("hixl-push", "p-alone"))
+          ("tp2-to-tp1", "tp-mono"), ("hixl-push", "p-alone")) + tuple(
+              (f"{tag}-{mode}", f"{tag}-nixl") for tag in HYBRID for mode in ("push", "pull"))
+# pairs whose two sides run on instances that are not up at the same time: measured one after the other
+# (the same prompts, i by i), not in turns
+APART = {(f"{tag}-{mode}", f"{tag}-nixl") for tag in HYBRID for mode in ("push", "pull")}
 
 
 def _pct(xs: List[float], q: float) -> Optional[float]:
@@ -244,14 +257,16 @@ class Runner:
         h0 = {"p": vllm_ttft.snapshot(p), "d": vllm_ttft.snapshot(d)} if parts else None
         p0 = {k: _m(p, k) for k in ("vllm:hixl_kv_sent_requests_total", "vllm:hixl_kv_transfer_seconds_total",
                                     "vllm:hixl_kv_exposed_transfer_seconds_total", "vllm:hixl_kv_sent_descriptors_total")}
+        by_kind = [f'vllm:hixl_kv_received_bytes_by_kind_total{{kind="{k}"}}' for k in KINDS]
         d0 = {k: _m(d, k) for k in ("vllm:hixl_kv_received_requests_total", "vllm:hixl_kv_received_bytes_total",
-                                    "vllm:hixl_kv_wait_seconds_sum", "vllm:hixl_kv_received_tokens_total")}
+                                    "vllm:hixl_kv_wait_seconds_sum", "vllm:hixl_kv_received_tokens_total", *by_kind)}
         r = stream(url, {"model": "smollm2", "prompt": prompt, "max_tokens": a.max_tokens, "temperature": 0})
         dd = self._settle(lambda: {k: _m(d, k) - v for k, v in d0.items()},
                           lambda x: x["vllm:hixl_kv_received_requests_total"] >= 1)
         row = {"ttft_s": r["ttft_s"], "tpot_s": r["tpot_s"], "prompt_tokens": r["usage"].get("prompt_tokens"),
                "kv_bytes": dd["vllm:hixl_kv_received_bytes_total"], "kv_tokens": dd["vllm:hixl_kv_received_tokens_total"],
-               "wait_s": dd["vllm:hixl_kv_wait_seconds_sum"]}
+               "wait_s": dd["vllm:hixl_kv_wait_seconds_sum"],
+               "kv_bytes_by_kind": {k: dd[n] for k, n in zip(KINDS, by_kind) if dd[n]}}
         if mode == "push":
             pd = self._settle(lambda: {k: _m(p, k) - v for k, v in p0.items()},
                               lambda x: x["vllm:hixl_kv_sent_requests_total"] >= 1)
@@ -411,6 +426,50 @@ class Runner:
             for i in (p, d):
                 i.stop()
 
+    def run_hybrid(self, tag: str, model: str) -> None:
+        """The tiny ``HYBRID[tag]`` model behind vllm-router: HixlConnector push and pull (in turns), then
+        NixlConnector, on the same prompts; vLLM's hybrid KV cache manager on for both connectors."""
+        from hixl_tools.vllm_launch import RouterProcess, VllmInstance
+
+        a, logs = self.args, self.logs
+        own = dict(log_dir=logs, whole_process=a.pin == "process")
+        p = VllmInstance(f"{tag}-p", model, role="kv_producer", cores="0", **own)
+        pp = VllmInstance(f"{tag}-p-pull", model, role="kv_producer", cores="0", env={"HIXL_VLLM_MODE": "pull"}, **own)
+        d = VllmInstance(f"{tag}-d", model, role="kv_consumer", cores="1", **own)
+        self._with_instances([p, pp, d], [f"{tag}-push", f"{tag}-pull"], lambda: self._run_arms(f"{tag}-hixl", {
+            f"{tag}-{mode}": self._hixl_arm(f"{tag}-{mode}", RouterProcess([(pre.url, None)], [d.url], log_dir=logs,
+                                                                           name=f"router-{tag}-{mode}"),
+                                            pre, d, mode, f"{HYBRID[tag]}: HixlConnector ({mode}) behind vllm-router")
+            for mode, pre in (("push", p), ("pull", pp))}))
+        kw = dict(own, connector="NixlConnector")
+        p = VllmInstance(f"{tag}-nixl-p", model, role="kv_producer", cores="0",
+                         env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(a.nixl_port + 100)}, **kw)
+        d = VllmInstance(f"{tag}-nixl-d", model, role="kv_consumer", cores="1",
+                         env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(a.nixl_port + 150)}, **kw)
+        router = RouterProcess([(p.url, None)], [d.url], log_dir=logs, name=f"router-{tag}-nixl")
+        self._with_instances([p, d], [f"{tag}-nixl"], lambda: self._run_arms(f"{tag}-nixl", {
+            f"{tag}-nixl": self._front_arm(f"{tag}-nixl", router, (p, d),
+                                           lambda i, prompt: self._nixl_row(d, router.url, prompt),
+                                           f"{HYBRID[tag]}: NixlConnector behind vllm-router")}))
+
+    def _with_instances(self, insts, names: List[str], run) -> None:
+        """Starts ``insts``, runs ``run()`` once they serve, stops them; when they do not start, the
+        configurations ``names`` record why."""
+        for i in insts:
+            i.start()
+        try:
+            for i in insts:
+                i.wait_ready()
+            run()
+        except Exception as e:
+            for name in names:
+                self.results.setdefault(name, dict({"failed": f"{type(e).__name__}: {e}"},
+                                                   **{f"{i.name}_log": i.tail(20) for i in insts}))
+            print(f"{', '.join(names)}: failed:", e, flush=True)
+        finally:
+            for i in insts:
+                i.stop()
+
     def run_tp(self, tiny: str) -> None:
         """TP=2 -> TP=1 on the tiny Llama (SmolLM2's heads do not divide by 2), push through hixl proxy,
         with a TP=1 instance of the same model as its reference."""
@@ -459,6 +518,10 @@ def summarize(doc: Dict[str, Any]) -> Dict[str, Any]:
         xs = [r["hidden_share"] for r in rows if r.get("hidden_share") is not None]
         if xs:
             s["hidden_share"] = {"median": statistics.median(xs), "p99": _pct(xs, 99)}
+        kinds = sorted({k for r in rows for k in r.get("kv_bytes_by_kind") or {}})
+        if kinds:  # a hybrid model's bytes per request, by KV cache group kind
+            s["kv_MiB_by_kind"] = {k: statistics.median([(r.get("kv_bytes_by_kind") or {}).get(k, 0) / MIB
+                                                         for r in rows]) for k in kinds}
         s["prompt_tokens"] = {"median": statistics.median([r["prompt_tokens"] or 0 for r in rows])}
         s["ttft_parts_ms"] = vllm_ttft.summarize(rows)
         summ[name] = s
@@ -474,10 +537,12 @@ def summarize(doc: Dict[str, Any]) -> Dict[str, Any]:
         if isinstance(rows, list) and isinstance(base, list) and isinstance(summ.get(name), dict):
             pp = paired.summary(paired.ratios(rows, base))
             if pp:
-                summ[name].setdefault("ttft_paired", {})[ref] = pp
+                summ[name].setdefault("ttft_paired", {})[ref] = dict(pp, in_turns=(name, ref) not in APART)
     goals = _ratio_goals(summ)
     push, nixl = summ.get("hixl-push"), summ.get("nixl")
-    if isinstance(push, dict) and isinstance(nixl, dict) and "ttft_ms" in push and "ttft_ms" in nixl:
+    if push is None:  # not asked for
+        pass
+    elif isinstance(push, dict) and isinstance(nixl, dict) and "ttft_ms" in push and "ttft_ms" in nixl:
         r = push["ttft_ms"]["median"] / nixl["ttft_ms"]["median"]
         goals.append({"goal": "hixl push TTFT <= NixlConnector TTFT (median)", "ratio": r,
                       "status": "met" if r <= 1.0 else "missed"})
@@ -517,8 +582,33 @@ def _paired_goal(summ: Dict[str, Any], goal: str, num: str, limit: float) -> Opt
     return g
 
 
+def _kv_goal(summ: Dict[str, Any], goal: str, num: str, den: str) -> Optional[Dict[str, Any]]:
+    """``num``'s median KV bytes per request / ``den``'s <= 1; None when ``num`` was not asked for."""
+    a, b = summ.get(num), summ.get(den)
+    if a is None:
+        return None
+    if isinstance(a, dict) and isinstance(b, dict) and "kv_MiB" in a and "kv_MiB" in b:
+        r = a["kv_MiB"]["median"] / b["kv_MiB"]["median"]
+        return {"goal": goal, "ratio": r, "status": "met" if r <= 1.0 else "missed"}
+    return {"goal": goal, "status": "not measured: " + "; ".join(
+        f"{k}: {(v or {}).get('skipped') or (v or {}).get('failed') or 'no KV bytes'}" for k, v in ((num, a), (den, b))
+        if not (isinstance(v, dict) and "kv_MiB" in v))}
+
+
+def _hybrid_goals(summ: Dict[str, Any]) -> List[Optional[Dict[str, Any]]]:
+    """On the tiny MLA and sliding-window models: hixl's TTFT and KV bytes per request <= NixlConnector's."""
+    out: List[Optional[Dict[str, Any]]] = []
+    for tag, arch in HYBRID.items():
+        for mode in ("push", "pull"):
+            out.append(_ratio_goal(summ, f"{arch}: hixl {mode} TTFT <= NixlConnector's (median)", f"{tag}-{mode}",
+                                   f"{tag}-nixl", 1.0))
+            out.append(_kv_goal(summ, f"{arch}: hixl {mode} KV bytes per request <= NixlConnector's (median)",
+                                f"{tag}-{mode}", f"{tag}-nixl"))
+    return out
+
+
 def _ratio_goals(summ: Dict[str, Any]) -> List[Dict[str, Any]]:
-    goals = [_ratio_goal(summ, "behind vllm-router, hixl push TTFT <= NixlConnector's (median)", "router-push",
+    goals = _hybrid_goals(summ) + [_ratio_goal(summ, "behind vllm-router, hixl push TTFT <= NixlConnector's (median)", "router-push",
                          "router-nixl", 1.0),
              _ratio_goal(summ, "behind vllm-router, hixl pull TTFT <= NixlConnector's (median)", "router-pull",
                          "router-nixl", 1.0),
@@ -546,6 +636,10 @@ def table(doc: Dict[str, Any]) -> str:
                                                f"{v:.3f}" if key == "ttft_vs_mono" else f"{v:.1f}"))
         lines.append(f"{name:<12} {s['requests']:>4}  {s['prompt_tokens']['median']:>11.0f} " +
                      " ".join(f"{v:>16}" for v in vals))
+    for name, s in doc["summary"].items():
+        if isinstance(s, dict) and s.get("kv_MiB_by_kind"):
+            lines.append(f"{name} KV per request by group kind [MiB, median]: " +
+                         ", ".join(f"{k} {v:.2f}" for k, v in s["kv_MiB_by_kind"].items()))
     lines.append("")
     parts = vllm_ttft.table_lines(doc["summary"])
     lines += parts + [""] if parts else []
@@ -571,7 +665,8 @@ def _paired_lines(summary: Dict[str, Any]) -> List[str]:
             ci = (f"{pp['level']:.0%} interval [{pp['ci'][0]:.3f}, {pp['ci'][1]:.3f}]" if pp["ci"] else
                   "too few for an interval")
             by = "; ".join(f"{w} words: {v['median']:.3f} ({v['n']})" for w, v in (pp.get("by_words") or {}).items())
-            lines.append(f"{name} / {ref} TTFT per prompt, in turns: median {pp['median']:.3f}, {ci}, "
+            how = "in turns" if pp.get("in_turns", True) else "one after the other"
+            lines.append(f"{name} / {ref} TTFT per prompt, {how}: median {pp['median']:.3f}, {ci}, "
                          f"{pp['n']} prompts" + (f"; by length: {by}" if by else ""))
     return lines + [""] if lines else []
 
@@ -653,6 +748,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         if subprocess.run([sys.executable, "-m", "hixl.cli", "model", "tiny-llama", tiny]).returncode != 0:
             return 2
         run.run_tp(tiny)
+    for tag in (t for t in HYBRID if t in a.configs):
+        tiny = os.path.join(os.path.expanduser("~"), ".cache", "hixl", f"tiny-{HYBRID[tag]}")
+        if subprocess.run([sys.executable, "-m", "hixl.cli", "model", "tiny", HYBRID[tag], tiny]).returncode != 0:
+            return 2
+        run.run_hybrid(tag, tiny)
     doc = {"args": {"requests": a.requests, "warmup": a.warmup, "words": a.words, "max_tokens": a.max_tokens,
                     "configs": sorted(a.configs), "pin": a.pin, "gap_s": a.gap_s},
            "host": {"cpus": os.cpu_count()}, "wall_s": time.monotonic() - t0,

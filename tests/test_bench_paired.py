@@ -128,6 +128,30 @@ def test_the_push_goal_uses_the_per_prompt_ratio_and_its_interval():
     assert lines[1].startswith("hixl-push / p-alone TTFT per prompt, in turns: median 1.133, 95% interval")
 
 
+def test_the_hybrid_rows_compare_ttft_and_kv_bytes_with_nixlconnector_and_report_bytes_by_kind():
+    def rows(ttft, kv, kinds=None):
+        return [{"i": i, "words": 500, "ttft_s": ttft, "prompt_tokens": 560, "kv_bytes": kv,
+                 **({"kv_bytes_by_kind": kinds} if kinds else {})} for i in range(6)]
+    mib = 2 ** 20
+    res = {"swa-push": rows(0.1, 1.5 * mib, {"full": 0.75 * mib, "sliding": 0.75 * mib}),
+           "swa-pull": rows(0.2, 1.5 * mib, {"full": 0.75 * mib, "sliding": 0.75 * mib}),
+           "swa-nixl": rows(0.4, 1.5 * mib), "mla-push": rows(0.5, 3 * mib, {"mla": 3 * mib}),
+           "mla-pull": {"failed": "RuntimeError: no"}, "mla-nixl": rows(0.4, 2 * mib)}
+    doc = vllm_pd.summarize({"results": res})
+    goals = {g["goal"]: g for g in doc["goals"]}
+    assert goals["gemma3: hixl push TTFT <= NixlConnector's (median)"]["ratio"] == pytest.approx(0.25)
+    assert goals["gemma3: hixl pull KV bytes per request <= NixlConnector's (median)"]["status"] == "met"
+    assert goals["deepseek-v2: hixl push TTFT <= NixlConnector's (median)"]["status"] == "missed"
+    assert goals["deepseek-v2: hixl push KV bytes per request <= NixlConnector's (median)"]["ratio"] == 1.5
+    assert goals["deepseek-v2: hixl pull TTFT <= NixlConnector's (median)"]["status"].startswith("not measured")
+    assert not any("hixl push vs NixlConnector" in g for g in goals)  # hixl-push was not asked for
+    assert doc["summary"]["swa-push"]["kv_MiB_by_kind"] == {"full": 0.75, "sliding": 0.75}
+    lines = vllm_pd._paired_lines(doc["summary"])
+    assert any(x.startswith("swa-push / swa-nixl TTFT per prompt, one after the other: median 0.250") for x in lines)
+    assert "swa-push KV per request by group kind [MiB, median]: full 0.75, sliding 0.75" in vllm_pd.table(
+        dict(doc, placement={}))
+
+
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to tell a binding from none")
 def test_a_whole_process_instance_runs_every_process_on_its_cores(tmp_path):
     """``VllmInstance(whole_process=True)``: the instance's process, and what it starts, get only its
