@@ -223,9 +223,16 @@ class Side:
         self.w.shutdown()
 
 
-@pytest.fixture(params=[pytest.param("rdma", marks=pytest.mark.rdma), "shm", "tcp"])
+@pytest.fixture(params=["shm", "tcp"])
 def transport(request):
     return request.param
+
+
+def _on(cases, rdma=()):
+    """``cases`` over shm and tcp, and the ``rdma`` ones over rdma too (the rxe VM runs them: under its
+    emulation each costs tens of seconds, so a few that cover each group kind)."""
+    rows = [pytest.param("rdma", *c, marks=pytest.mark.rdma) for c in rdma]
+    return rows + [(t, *c) for t in ("shm", "tcp") for c in cases]
 
 
 @pytest.fixture
@@ -349,8 +356,9 @@ def _check(p, d, p_ids, d_ids, before, n):
     return moved
 
 
-@pytest.mark.parametrize("name,n,chunk", [("sliding", 150, None), ("sliding", 150, 48), ("mamba", 150, None),
-                                          ("mamba", 150, 64), ("mla", 70, None)])
+@pytest.mark.parametrize("transport,name,n,chunk", _on(
+    [("sliding", 150, None), ("sliding", 150, 48), ("mamba", 150, None), ("mamba", 150, 64), ("mla", 70, None)],
+    rdma=[("sliding", 150, 48), ("mamba", 150, None)]))
 def test_a_layer_wise_push_moves_each_groups_blocks_into_place(sides, name, n, chunk):
     p = Prefill([sides(name, "kv_producer", seed=7)])
     d = Decoder([sides(name, "kv_consumer")])
@@ -374,7 +382,8 @@ def test_a_layer_wise_push_moves_each_groups_blocks_into_place(sides, name, n, c
         assert moved["sliding"] <= layers * (-(-W // B) + 1) * per_block < moved["full"]
 
 
-@pytest.mark.parametrize("name,n", [("sliding", 150), ("mamba", 150), ("mla", 70)])
+@pytest.mark.parametrize("transport,name,n", _on([("sliding", 150), ("mamba", 150), ("mla", 70)],
+                                                 rdma=[("mla", 70)]))
 def test_a_pull_reads_each_groups_blocks_after_the_prefill(sides, name, n):
     p = Prefill([sides(name, "kv_producer", seed=9)])
     d = Decoder([sides(name, "kv_consumer")])
@@ -390,7 +399,7 @@ def test_a_pull_reads_each_groups_blocks_after_the_prefill(sides, name, n):
     _until(p.released)  # released by the decoder's read
 
 
-@pytest.mark.parametrize("mode", ["push", "pull"])
+@pytest.mark.parametrize("transport,mode", _on([("push",), ("pull",)], rdma=[("push",)]))
 def test_an_mla_latent_crosses_once_to_a_decoder_of_two_ranks(sides, mode):
     """P TP=1 -> D TP=2: decoder rank 0 takes the latent from the prefill, rank 1 copies it from rank 0."""
     p = Prefill([sides("mla", "kv_producer", seed=11)])
@@ -485,3 +494,36 @@ def test_a_hybrid_prefill_whose_decoder_never_comes_frees_its_blocks_at_the_leas
     p.finish(r)
     _until(p.released, timeout=5)
     assert p.sides[0].w.stats.take().data["send_expired"] == 1
+
+
+def test_the_plan_takes_each_group_from_where_it_is_and_refuses_what_cannot_move():
+    from hixl.vllm.plan import GroupPlan, fanin, idle_prefill_ranks, relayed_to, sources
+    mla, attn, mamba = GroupPlan("mla"), GroupPlan("full", 4, True), GroupPlan("mamba")
+    # the latent alone: rank 0 from prefill rank 0, the others copy it from rank 0; unread prefill ranks go
+    assert [(s.rank, s.sibling) for s in sources(0, 2, 1, [mla])] == [(0, False)]
+    assert [(s.rank, s.sibling) for s in sources(1, 2, 1, [mla])] == [(0, True)]
+    assert relayed_to(0, 2, 1, [mla]) == [1] and fanin(0, 1, 2, [mla]) == 1
+    assert idle_prefill_ranks(2, 1, [mla]) == [1] and idle_prefill_ranks(2, 2, [mla]) == [1]
+    # beside other groups, each decoder rank takes it from a prefill rank
+    assert [(s.rank, s.sibling, s.wants) for s in sources(1, 2, 1, [mla, attn], relay=False)] == [
+        (0, False, (None, (2, 4)))]
+    # attention of another TP: each prefill rank holding some of our heads
+    assert [(s.rank, s.wants) for s in sources(0, 1, 2, [attn])] == [(0, ((0, 2),)), (1, ((2, 4),))]
+    assert [(s.rank, s.wants) for s in sources(1, 2, 2, [attn, mamba])] == [(1, (None, None))]
+    with pytest.raises(ValueError, match="Mamba state.*prefill has TP 2, this decoder TP 1"):
+        sources(0, 1, 2, [attn, mamba])
+    with pytest.raises(ValueError, match="KV heads of group 0 are unknown"):
+        sources(0, 1, 2, [GroupPlan("full", 4, False)])
+
+
+def test_a_relay_fails_at_once_when_the_rank_it_copies_from_fails(sides):
+    """P TP=1 -> D TP=2 (MLA): the prefill dies after decoder rank 0 granted; rank 0's load fails when the
+    link goes, and rank 1, which copies from rank 0, hears it and fails too, long before its timeout."""
+    p = Prefill([sides("mla", "kv_producer", seed=12)])
+    d = Decoder([sides("mla", "kv_consumer", rank=r, tp=2, timeout_s=60) for r in range(2)])
+    d.load(70, {"do_remote_prefill": True, "transfer_id": "t", "remote_engine": p.sides[0].engine, "mode": "push"})
+    _until(lambda: p.sides[0].w.producer._grants or p.sides[0].w.producer._by_tid)
+    t0 = time.monotonic()
+    p.sides[0].w.shutdown()
+    _until(d.poll, timeout=20)
+    assert d.failed == [{"d"}, {"d"}] and time.monotonic() - t0 < 15
