@@ -41,10 +41,12 @@ log "pytest (exclusive tests) exit status: $rc"
 vllm_pid=""
 if [ -n "${HIXL_VLLM_VENV:-}" ]; then
     # vLLM itself is far too slow under TCG (importing it alone takes minutes): the connector's worker
-    # sides run here over rdma without a vLLM server (tests/vllm_tier/test_connector_units.py).
+    # sides run here over rdma without a vLLM server (test_connector_units.py; test_groups.py: the KV
+    # cache groups of hybrid models).
     log "vLLM tier over rdma: the connector's parts on rxe0 ($HIXL_VLLM_VENV), beside the bench smoke runs"
     "$HIXL_VLLM_VENV/bin/python" -m pytest -p no:cacheprovider -q -rA --durations=10 -m "vllm and rdma" \
-        --junitxml="$ART/vllm-rdma-junit.xml" tests/vllm_tier/test_connector_units.py > "$ART/vllm-rdma.log" 2>&1 &
+        --junitxml="$ART/vllm-rdma-junit.xml" tests/vllm_tier/test_connector_units.py tests/vllm_tier/test_groups.py \
+        > "$ART/vllm-rdma.log" 2>&1 &
     vllm_pid=$!
 fi
 

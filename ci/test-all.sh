@@ -96,24 +96,26 @@ vllm_pytest() {  # JUNIT PYTEST-ARGS...: the vLLM tier's tests in the vLLM envir
 
 # The vLLM tier in two parts: the PD module's five instances (with vllm.LLM in the test process) take
 # most of the host's memory; the modules after it start three at a time and leave room for tier 4.
+SMALL=(tests/vllm_tier/test_default_threads.py tests/vllm_tier/test_tiny_models.py tests/vllm_tier/test_hybrid_e2e.py)
 vllm_tier() {
     local rc=0
-    vllm_pytest "$ART/vllm-junit.xml" tests/vllm_tier --ignore=tests/vllm_tier/test_default_threads.py \
-        --ignore=tests/vllm_tier/test_tp_e2e.py || rc=$?
-    "$PY" ci/check_junit.py "$ART/vllm-junit.xml" --min-tests 106 \
+    vllm_pytest "$ART/vllm-junit.xml" tests/vllm_tier "${SMALL[@]/#/--ignore=}" || rc=$?
+    "$PY" ci/check_junit.py "$ART/vllm-junit.xml" --min-tests 140 \
         --require tests.vllm_tier.test_connector_units --require tests.vllm_tier.test_pd_e2e \
         --require tests.vllm_tier.test_worker_parts --require tests.vllm_tier.test_contracts \
-        --require tests.vllm_tier.test_tp_parts \
+        --require tests.vllm_tier.test_tp_parts --require tests.vllm_tier.test_groups \
         || { log "FAIL: the vLLM tier did not really pass"; return 1; }
     [ "$rc" -eq 0 ] || { log "FAIL: vLLM tier exited $rc"; return "$rc"; }
 }
 
+# Three instances at a time: the default-threads pair, then one cluster per hybrid architecture (the tiny
+# models first: the clusters serve the exports they keep).
 vllm_tier_small() {
     local rc=0
-    vllm_pytest "$ART/vllm-small-junit.xml" tests/vllm_tier/test_default_threads.py \
-        tests/vllm_tier/test_tp_e2e.py || rc=$?
-    "$PY" ci/check_junit.py "$ART/vllm-small-junit.xml" --min-tests 5 \
-        --require tests.vllm_tier.test_default_threads --require tests.vllm_tier.test_tp_e2e \
+    vllm_pytest "$ART/vllm-small-junit.xml" "${SMALL[@]}" || rc=$?
+    "$PY" ci/check_junit.py "$ART/vllm-small-junit.xml" --min-tests 26 \
+        --require tests.vllm_tier.test_default_threads --require tests.vllm_tier.test_tiny_models \
+        --require tests.vllm_tier.test_hybrid_e2e \
         || { log "FAIL: the vLLM tier's second part did not really pass"; return 1; }
     [ "$rc" -eq 0 ] || { log "FAIL: vLLM tier (second part) exited $rc"; return "$rc"; }
 }
@@ -128,7 +130,8 @@ vm_tiers() {  # tiers 2 and 3, the connector's rdma tests and the VM's benchmark
         --require tests.rdma.test_data_path --require tests.test_hixl_engine --require tests.test_kv \
         --require tests.test_demo --require tests.reliability --require tests.interop.test_pyverbs \
         || { log "FAIL: RDMA tiers did not really pass"; return 1; }
-    "$PY" ci/check_junit.py "$ART/vllm-rdma-junit.xml" --min-tests 9 --require tests.vllm_tier.test_connector_units \
+    "$PY" ci/check_junit.py "$ART/vllm-rdma-junit.xml" --min-tests 13 --require tests.vllm_tier.test_connector_units \
+        --require tests.vllm_tier.test_groups \
         || { log "FAIL: the connector's rdma tests did not really pass in the VM"; return 1; }
     [ "$rc" -eq 0 ] || { log "FAIL: VM run exited $rc"; return "$rc"; }
     [ "$BENCH" = 0 ] || bash ci/bench.sh --smoke vm-report
@@ -179,7 +182,7 @@ set -m  # tier 4 in a process group of its own, so that a failing step below tak
 trap 'rc_=$?; tier4_stop; (exit "$rc_"); _steps_table' EXIT  # the table reads the run's status from $?
 tier4_begin
 set +m
-step "vLLM tier: default-threads pair, tensor parallel (3 at a time)" vllm_tier_small
+step "vLLM tier: default-threads pair, MLA/sliding/Mamba models, TP" vllm_tier_small
 step "tier 1: ctest, then pytest with no device; libFuzzer beside them" tier1_all
 [ "$BENCH" = 0 ] || step "bench smoke: host (sweep, PD pipeline, descriptors)" bench_host
 [ "$BENCH" = 0 ] || step "bench smoke: vLLM PD (bench/vllm_pd.py)" bench_vllm

@@ -5,8 +5,9 @@ linear attention and full attention), each a small random-weight model of ``hixl
 One cluster per architecture, three instances: REF (TP=1, no connector), X and Y (``kv_both``). X prefills
 for Y behind ``hixl proxy`` (push, layer-wise), Y for X behind ``vllm-router`` (pull). Gemma 3 and the MLA
 model run X with TP=2, so that the first direction is P TP=2 -> D TP=1 and the second P TP=1 -> D TP=2 (the
-MLA latent crossing the network once and copied between the decoder's ranks); gpt-oss's three instances keep
-their KV in FP8. Every completion must equal
+MLA latent crossing the network once and copied between the decoder's ranks; Gemma 3's attention heads split
+over the ranks, each decoder rank taking its own from the prefill ranks that hold them); gpt-oss's three
+instances keep their KV in FP8. Every completion must equal
 REF's token for token; the decoder's counters must show that every prompt token came by transfer but the
 ones vLLM's contract leaves to the decoder (with a sliding window or a Mamba state: the last one); no
 instance may log that vLLM turned its hybrid KV cache manager off; the bytes moved per group kind must be
