@@ -190,7 +190,7 @@ class Side:
     and vLLM's manager for its block ids."""
 
     def __init__(self, name, role, monkeypatch, transport, seed=None, rank=0, tp=1, data=None, block=B,
-                 cache_dtype="auto", **cfg):
+                 cache_dtype="auto", latent="kv_lora_rank 512 + rope 64", **cfg):
         self.cfg = _config(name, monkeypatch, block=block)
         self.kv = allocate_kv_cache(self.cfg, torch.device("cpu"), KVCacheLayout.LBHNC)
         t = next(iter(self.kv.values()))
@@ -200,7 +200,7 @@ class Side:
         elif seed is not None:
             self.raw.copy_(torch.randint(0, 256, self.raw.shape, dtype=torch.uint8,
                                          generator=torch.Generator().manual_seed(seed)))
-        self.specs = group_specs(self.cfg, 2 * tp, cache_dtype)
+        self.specs = group_specs(self.cfg, 2 * tp, cache_dtype, latent)
         config = ConnectorConfig.parse(dict({"transport": transport, "host": "127.0.0.1"}, **cfg), env={})
         self.w = HixlWorker(config, role, "e", self.cfg.num_blocks, self.specs, rank=rank, tp_size=tp)
         self.w.register_kv_caches(self.kv)
@@ -450,10 +450,13 @@ def test_an_mla_latent_comes_from_one_rank_of_a_prefill_of_two(sides):
      ["KV cache dtype fp8_e4m3", "KV cache dtype fp8_e5m2"]),
     (dict(name="full"), dict(name="sliding"), ["2 KV cache group", "this side has 1", "sliding blocks", "full"]),
     (dict(name="mla"), dict(name="sliding"), ["KV cache group", "this side has"]),
+    (dict(name="mla"), dict(name="mla", latent="kv_lora_rank 448 + rope 128"),  # 576 wide either way
+     ["kv_lora_rank 512 + rope 64", "kv_lora_rank 448 + rope 128"]),
 ])
 def test_a_decoder_whose_groups_differ_is_refused_naming_both_sides(sides, prefill, decoder, said, caplog):
     """Blocks of another size, FP8 KV of another format (the same bytes to vLLM's tensors), groups of
-    another kind: the prefill aborts the grant, saying both sides; the load fails (vLLM's policy decides)."""
+    another kind, an MLA latent split otherwise (as wide): the prefill aborts the grant, saying both sides;
+    the load fails (vLLM's policy decides)."""
     p = Prefill([sides(role="kv_producer", seed=3, **prefill)])
     d = Decoder([sides(role="kv_consumer", **decoder)])
     d.load(100, {"do_remote_prefill": True, "transfer_id": "t", "remote_engine": p.sides[0].engine, "mode": "push"})

@@ -97,7 +97,7 @@ def _describe_latent(kv_caches: Dict[str, Any], names: Sequence[str], num_blocks
     memory = kv.BlockMemory(layer_addrs=tuple(kv_caches[n].data_ptr() for n in names), num_blocks=num_blocks,
                             block_stride=stride[0] * t.element_size(), unit_bytes=t[0].nbytes, parts=1,
                             token_major=True)
-    return layout, memory, f"{dtype}:latent{shape[1:]}"
+    return layout, memory, f"{dtype}:latent{shape[1:]}" + (f":{spec.detail}" if spec.detail else "")
 
 
 def _describe_state(kv_caches: Dict[str, Any], names: Sequence[str], num_blocks: int,
@@ -113,7 +113,7 @@ def _describe_state(kv_caches: Dict[str, Any], names: Sequence[str], num_blocks:
                          block_tokens=spec.block_size, kind="state")
     memory = kv.BlockMemory(layer_addrs=tuple(kv_caches[n].data_ptr() for n in names), num_blocks=num_blocks,
                             block_stride=stride[0] * t.element_size(), unit_bytes=unit, parts=1, token_major=False)
-    return layout, memory, f"state({unit}):{spec.state}"
+    return layout, memory, f"state({unit}):{spec.detail}"
 
 
 def head_slice_of(interior: str, num_kv_heads: int, block_size: int, lo: int, hi: int) -> Optional[kv.HeadSlice]:

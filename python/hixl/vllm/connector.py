@@ -18,7 +18,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from .config import ConnectorConfig
 from .metadata import HixlConnectorMetadata
 from .scheduler import HixlScheduler
-from .specs import group_specs
+from .specs import group_specs, latent_of
 from .stats import HixlPromMetrics, HixlStats
 from .worker import HixlWorker
 
@@ -73,8 +73,10 @@ class HixlConnector(KVConnectorBase_V1, SupportsHMA):
                                       f"must be 1 (got {pc.pipeline_parallel_size}); tensor parallelism is supported")
         if kv_cache_config is None:
             raise NotImplementedError("HixlConnector needs vLLM's KV cache config")
-        self.specs = group_specs(kv_cache_config, vllm_config.model_config.get_total_num_kv_heads(),
-                                 getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", "auto"))
+        mc = vllm_config.model_config
+        self.specs = group_specs(kv_cache_config, mc.get_total_num_kv_heads(),
+                                 getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", "auto"),
+                                 latent_of(getattr(mc, "hf_text_config", None)))
         self.kv_role = ktc.kv_role
         self._scheduler: Optional[HixlScheduler] = None
         self._worker: Optional[HixlWorker] = None

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, List, Tuple
 
-__all__ = ["GroupSpec", "group_specs", "KINDS", "backoff_of"]
+__all__ = ["GroupSpec", "group_specs", "KINDS", "backoff_of", "latent_of"]
 
 KINDS = ("full", "sliding", "mla", "mamba")
 
@@ -21,7 +21,9 @@ class GroupSpec:
     """One KV cache group: ``index`` in vLLM's ``kv_cache_groups`` (its block ids' position in the tuples vLLM
     hands out), ``kind``, tokens per block (a Mamba group: tokens one state block stands for), its layers
     (vLLM's names), and per kind: the KV heads of this rank, their total over the TP ranks and the head
-    size (attention), the window (``sliding``), the states' shapes and dtypes (``mamba``); ``cache_dtype``
+    size (attention), the window (``sliding``); ``detail``: what else both ends must agree on (``mla``: the
+    latent's split, kv_lora_rank + rope dim, which its width alone does not tell; ``mamba``: the states'
+    kind, shapes and dtypes, and vLLM's Mamba cache mode); ``cache_dtype``
     vLLM's ``--kv-cache-dtype`` of attention and MLA groups (FP8 KV is stored as bytes: the tensors do not
     tell its formats apart)."""
 
@@ -32,7 +34,7 @@ class GroupSpec:
     head_size: int = 0
     total_kv_heads: int = 0             # 0: num_kv_heads times the TP size
     window: int = 0
-    state: str = ""
+    detail: str = ""
     index: int = 0
     cache_dtype: str = "auto"
 
@@ -52,7 +54,7 @@ def _spec_kind(spec: Any) -> Tuple[str, dict]:
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec, SlidingWindowSpec
     t = type(spec)
     if t is MLAAttentionSpec:
-        return "mla", {"head_size": spec.head_size}
+        return "mla", {"head_size": spec.head_size}  # the latent's split comes from the model (group_specs)
     if t is FullAttentionSpec:
         if getattr(spec, "attention_chunk_size", None):
             raise NotImplementedError("HixlConnector does not move chunked local attention KV")
@@ -68,26 +70,36 @@ def _spec_kind(spec: Any) -> Tuple[str, dict]:
             raise NotImplementedError("HixlConnector does not move Mamba state with speculative blocks")
         state = (f"{getattr(spec.mamba_type, 'name', spec.mamba_type)}:{tuple(map(tuple, spec.shapes))}:"
                  f"{tuple(str(d).replace('torch.', '') for d in spec.dtypes)}:{spec.mamba_cache_mode}")
-        return "mamba", {"state": state}
+        return "mamba", {"detail": state}
     raise NotImplementedError(f"HixlConnector does not move KV cache groups of {t.__name__} (it moves full "
                               f"attention, sliding window, MLA and Mamba state groups)")
 
 
-def group_specs(kv_cache_config: Any, total_kv_heads: int = 0, cache_dtype: str = "auto") -> List[GroupSpec]:
+def group_specs(kv_cache_config: Any, total_kv_heads: int = 0, cache_dtype: str = "auto",
+                latent: str = "") -> List[GroupSpec]:
     """The groups of vLLM's ``KVCacheConfig`` that move (``enable_kv_transfer``), in vLLM's order;
-    ``cache_dtype``: vLLM's ``cache_config.cache_dtype`` (``fp8`` is ``fp8_e4m3``)."""
+    ``cache_dtype``: vLLM's ``cache_config.cache_dtype`` (``fp8`` is ``fp8_e4m3``); ``latent``: an MLA
+    model's split of its latent (:func:`latent_of`)."""
     cache_dtype = "fp8_e4m3" if cache_dtype == "fp8" else str(cache_dtype)
     out = []
     for i, g in enumerate(kv_cache_config.kv_cache_groups):
         if not getattr(g, "enable_kv_transfer", True):
             continue
         kind, extra = _spec_kind(g.kv_cache_spec)
+        if kind == "mla":
+            extra["detail"] = latent
         out.append(GroupSpec(kind=kind, block_size=int(g.kv_cache_spec.block_size), layer_names=tuple(g.layer_names),
                              total_kv_heads=total_kv_heads if kind in ("full", "sliding") else 0, index=i,
                              cache_dtype=cache_dtype if kind != "mamba" else "auto", **extra))
     if not out:
         raise NotImplementedError("HixlConnector: the model has no KV cache group to move")
     return out
+
+
+def latent_of(hf_config: Any) -> str:
+    """An MLA model's latent split, ``"kv_lora_rank 512 + rope 64"`` (``""`` for other models)."""
+    rank, rope = getattr(hf_config, "kv_lora_rank", None), getattr(hf_config, "qk_rope_head_dim", None)
+    return f"kv_lora_rank {rank} + rope {rope}" if rank and rope else ""
 
 
 def backoff_of(specs: List[GroupSpec]) -> int:
