@@ -29,6 +29,7 @@ pytest.importorskip("vllm")
 from hixl_tools.vllm_launch import ProxyProcess, RouterProcess, VllmInstance  # noqa: E402
 from tests.vllm_tier import test_pd_e2e as pd  # noqa: E402  (its helpers; its tests stay there)
 from tests.vllm_tier.conftest import log_marks  # noqa: E402
+from tests.vllm_tier.standin_router import StandinRouter, nixl_fields_only  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -192,3 +193,22 @@ def test_pull_behind_vllm_router_is_identical_and_by_transfer(cluster, request):
     assert dd["pulled"] >= len(ps), dd
     if arch == "deepseek-v2":  # P TP=1 -> D TP=2: the latent crossed once (read by decoder rank 0), rank 1 copied it
         assert kk["X"]["recv:mla"] == kk["X"]["relayed"] > 0, kk
+
+
+def test_behind_a_stand_in_of_vllms_push_proxy_the_whole_request_is_pushed_after_the_prefill(cluster):
+    """vLLM's toy push proxy: the prefill first, then the decoder with NIXL's fields alone (no block ids):
+    the decoder's grant reaches a prefill that finished, which pushes every group from the blocks it holds
+    (the window's, the state after the prompt)."""
+    arch, inst, _ = cluster
+    local_each = ARCHS[arch][3]
+    ps = pd.prompts(f"{arch}-standin")[1::2]  # one short and the longest
+    ref = pd._reference(inst, ps)
+    front = StandinRouter(inst["X"].url, inst["Y"].url, nixl_fields_only, name=f"{arch}-standin").start()
+    try:
+        texts, dd, n, kk = _burst(inst, front, "X", "Y", ps, local_each, push=True)
+    finally:
+        front.stop()
+    assert texts == ref
+    _assert_by_transfer(dd, ps, n, local_each, 1)
+    assert dd["pulled"] == 0 and all("remote_block_ids" not in d for _, d in front.seen), front.seen
+    assert {k.split(":")[1] for k, v in kk["Y"].items() if k.startswith("recv:") and v} == ARCHS[arch][2], kk
