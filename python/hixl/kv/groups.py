@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
 
-from .layout import BlockMemory, KVLayout
+from .layout import BlockMemory, KVLayout, merge_ranges
 
 __all__ = ["KVGroups"]
 
@@ -91,11 +91,4 @@ class KVGroups:
     def ranges(self) -> List[Tuple[int, int]]:
         """The memory every group's units cover, merged into ``(addr, len)`` ranges (what to register:
         groups that share memory, as vLLM's hybrid cache does, are registered once)."""
-        spans = sorted((a, a + n) for m in self.memories for a, n in m.ranges())
-        out: List[List[int]] = []
-        for a, b in spans:
-            if out and a <= out[-1][1]:
-                out[-1][1] = max(out[-1][1], b)
-            else:
-                out.append([a, b])
-        return [(a, b - a) for a, b in out]
+        return merge_ranges(r for m in self.memories for r in m.ranges())

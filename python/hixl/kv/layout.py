@@ -142,14 +142,7 @@ class BlockMemory:
 
     def ranges(self) -> List[Tuple[int, int]]:
         """The memory the units cover, as merged ``(addr, len)`` ranges (what to register)."""
-        spans = sorted((a, a + self.span) for a in self.layer_addrs)
-        out: List[List[int]] = []
-        for a, b in spans:
-            if out and a <= out[-1][1]:
-                out[-1][1] = max(out[-1][1], b)
-            else:
-                out.append([a, b])
-        return [(a, b - a) for a, b in out]
+        return merge_ranges((a, self.span) for a in self.layer_addrs)
 
     def check(self, layout: "KVLayout") -> None:
         """Raises ValueError when this memory cannot hold ``layout``."""
@@ -178,6 +171,17 @@ class BlockMemory:
         if unknown:
             raise ValueError(f"BlockMemory: unknown fields {sorted(unknown)}")
         return cls(**d)
+
+
+def merge_ranges(ranges: Iterable[Tuple[int, int]]) -> List[Tuple[int, int]]:
+    """``(addr, len)`` ranges merged where they overlap or touch, in address order."""
+    out: List[List[int]] = []
+    for a, b in sorted((a, a + n) for a, n in ranges):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b - a) for a, b in out]
 
 
 def block_desc_array(layout: KVLayout, local: BlockMemory, local_blocks: Sequence[Optional[int]],
