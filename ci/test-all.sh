@@ -96,7 +96,7 @@ vllm_pytest() {  # JUNIT PYTEST-ARGS...: the vLLM tier's tests in the vLLM envir
 
 # The vLLM tier in two parts: the PD module's five instances (with vllm.LLM in the test process) take
 # most of the host's memory; the modules after it start three at a time and leave room for tier 4.
-SMALL=(tests/vllm_tier/test_default_threads.py tests/vllm_tier/test_tiny_models.py tests/vllm_tier/test_hybrid_e2e.py)
+SMALL=(tests/vllm_tier/test_tiny_models.py tests/vllm_tier/test_hybrid_e2e.py)
 vllm_tier() {
     local rc=0
     vllm_pytest "$ART/vllm-junit.xml" tests/vllm_tier "${SMALL[@]/#/--ignore=}" || rc=$?
@@ -108,13 +108,13 @@ vllm_tier() {
     [ "$rc" -eq 0 ] || { log "FAIL: vLLM tier exited $rc"; return "$rc"; }
 }
 
-# Three instances at a time: the default-threads pair, then one cluster per hybrid architecture (the tiny
-# models first: the clusters serve the exports they keep).
+# Three instances at a time: one cluster per hybrid architecture (the tiny models first: the clusters serve
+# the exports they keep).
 vllm_tier_small() {
     local rc=0
     vllm_pytest "$ART/vllm-small-junit.xml" "${SMALL[@]}" || rc=$?
-    "$PY" ci/check_junit.py "$ART/vllm-small-junit.xml" --min-tests 26 \
-        --require tests.vllm_tier.test_default_threads --require tests.vllm_tier.test_tiny_models \
+    "$PY" ci/check_junit.py "$ART/vllm-small-junit.xml" --min-tests 27 \
+        --require tests.vllm_tier.test_tiny_models \
         --require tests.vllm_tier.test_hybrid_e2e \
         || { log "FAIL: the vLLM tier's second part did not really pass"; return 1; }
     [ "$rc" -eq 0 ] || { log "FAIL: vLLM tier (second part) exited $rc"; return "$rc"; }

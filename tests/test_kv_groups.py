@@ -16,8 +16,8 @@ import pytest
 import hixl
 from hixl import SUCCESS
 from hixl import kv
+from tests.test_kv_byom import pair  # noqa: F401  (two engines per transport)
 
-TRANSPORTS = [pytest.param("rdma", marks=pytest.mark.rdma), "shm", "tcp"]
 SLOTS, NUM_BLOCKS, PAGE = 2, 48, 2048
 STATE_BYTES = 1500
 N_TOKENS = 100  # 7 blocks of 16 tokens; one state block
@@ -43,18 +43,6 @@ class Cache:
         self.groups = kv.KVGroups(LAYOUTS, tuple(
             kv.BlockMemory(layer_addrs=tuple(self.a[i].ctypes.data for i in range(SLOTS)), num_blocks=NUM_BLOCKS,
                            block_stride=PAGE, unit_bytes=unit, parts=1, token_major=False) for unit in UNITS))
-
-
-@pytest.fixture(params=TRANSPORTS)
-def pair(request):
-    engines = []
-    for _ in range(2):
-        e = hixl.Hixl()
-        assert e.initialize("127.0.0.1:0", {"HixlTransport": request.param}) == SUCCESS, e.last_error()
-        engines.append(e)
-    yield engines
-    for e in reversed(engines):
-        e.finalize()
 
 
 @pytest.fixture

@@ -37,6 +37,7 @@ from hixl.vllm.metadata import HixlConnectorMetadata, HixlHandshake  # noqa: E40
 from hixl.vllm.scheduler import HixlScheduler  # noqa: E402
 from hixl.vllm.specs import backoff_of, group_specs  # noqa: E402
 from hixl.vllm.worker import HixlWorker  # noqa: E402
+from tests.vllm_tier.test_connector_units import _until  # noqa: E402
 
 W, B = 32, 16                       # the sliding window and the attention block, in tokens
 MAX_LEN = 2048
@@ -246,18 +247,6 @@ def sides(monkeypatch, transport):
     yield make
     for s in reversed(made):
         s.close()
-
-
-def _until(fn, timeout=10.0, step=None):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = fn()
-        if v:
-            return v
-        if step is not None:
-            step()
-        time.sleep(0.01)
-    raise AssertionError(f"not within {timeout} s")
 
 
 class Prefill:

@@ -7,7 +7,11 @@ for Y behind ``hixl proxy`` (push, layer-wise), Y for X behind ``vllm-router`` (
 model run X with TP=2, so that the first direction is P TP=2 -> D TP=1 and the second P TP=1 -> D TP=2 (the
 MLA latent crossing the network once and copied between the decoder's ranks; Gemma 3's attention heads split
 over the ranks, each decoder rank taking its own from the prefill ranks that hold them); gpt-oss's three
-instances keep their KV in FP8. Every completion must equal
+instances keep their KV in FP8, and its X and Y run with vLLM's default thread settings (no
+``OMP_NUM_THREADS``, no ``VLLM_CPU_OMP_THREADS_BIND``: on a 2-core host both bind to core 0), their first
+traffic a burst of pushes: a prefill holding blocks for a decoder's grant keeps vLLM stepping, and must not
+spin on the core its decoder needs to send that grant (the producer's idle wait, docs/vllm.md
+``idle_wait_ms``). Every completion must equal
 REF's token for token; the decoder's counters must show that every prompt token came by transfer but the
 ones vLLM's contract leaves to the decoder (with a sliding window or a Mamba state: the last one); no
 instance may log that vLLM turned its hybrid KV cache manager off; the bytes moved per group kind must be
@@ -41,6 +45,7 @@ ARCHS = {
     "gpt-oss": (1, "float32", {"full", "sliding"}, 1, ["--kv-cache-dtype", "fp8"]),  # FP8 KV (all three)
     "qwen3-next": (1, "bfloat16", {"full", "mamba"}, 1, []),
 }
+DEFAULT_THREADS = {"gpt-oss"}  # X and Y with vLLM's default thread settings
 HMA_OFF = "Turning off hybrid kv cache manager"
 
 
@@ -61,10 +66,14 @@ def cluster(request):
     model = _tiny(arch)
     logs = pd._log_dir()
     kw = dict(log_dir=logs, served_name=pd.MODEL, dtype=dtype, args=args)
+    fresh = arch in DEFAULT_THREADS
+    x_cores, y_cores = (None, None) if fresh else (None if tp > 1 else "1", "0")
+    threads = "default" if fresh else "pinned"
     inst = {
         "REF": VllmInstance(f"{arch}-ref", model, cores="1", **kw),
-        "X": VllmInstance(f"{arch}-x", model, role="kv_both", tp=tp, cores=None if tp > 1 else "1", **kw),
-        "Y": VllmInstance(f"{arch}-y", model, role="kv_both", cores="0", env={"HIXL_VLLM_MODE": "pull"}, **kw),
+        "X": VllmInstance(f"{arch}-x", model, role="kv_both", tp=tp, cores=x_cores, threads=threads, **kw),
+        "Y": VllmInstance(f"{arch}-y", model, role="kv_both", cores=y_cores, threads=threads,
+                          env={"HIXL_VLLM_MODE": "pull"}, **kw),
     }
     for i in inst.values():
         i.start()
@@ -72,7 +81,8 @@ def cluster(request):
         t0 = time.monotonic()
         for i in inst.values():
             i.wait_ready(timeout=1200)
-        print(f"\n[vllm {arch}] REF, X (TP={tp}), Y ready in {time.monotonic() - t0:.0f} s; logs in {logs}")
+        print(f"\n[vllm {arch}] REF, X (TP={tp}), Y ready in {time.monotonic() - t0:.0f} s, threads {threads}; "
+              f"logs in {logs}")
         with open(os.path.join(model, "config.json")) as f:
             config = json.load(f)
         yield arch, inst, config
@@ -152,21 +162,30 @@ def test_hma_stays_on_and_every_group_is_registered(cluster):
         assert kinds == ARCHS[arch][2], (arch, name, kinds)
 
 
-def test_push_behind_hixl_proxy_is_identical_and_by_transfer(cluster, request):
-    arch, inst, config = cluster
+def _through(cluster, request, front, p_name, d_name, ps, push):
+    """The prompts ``ps`` through ``front`` (started and stopped here) from ``p_name`` to ``d_name``: the
+    completions must equal REF's and come by transfer; returns the counters' deltas (``_burst``)."""
+    arch, inst, _ = cluster
     local_each = ARCHS[arch][3]
-    ps = pd.prompts(f"{arch}-push")
     ref = pd._reference(inst, ps)
-    front = ProxyProcess([inst["X"].url], [inst["Y"].url], log_dir=pd._log_dir(), name=f"{arch}-proxy",
-                         args=["--mode", "push"])
-    log_marks(request.node, [front.log_path])
+    if getattr(front, "log_path", None):
+        log_marks(request.node, [front.log_path])
     front.start()
     try:
-        texts, dd, n, kk = _burst(inst, front, "X", "Y", ps, local_each, push=True)
+        texts, dd, n, kk = _burst(inst, front, p_name, d_name, ps, local_each, push)
     finally:
         front.stop()
     assert texts == ref
-    _assert_by_transfer(dd, ps, n, local_each, 1)
+    _assert_by_transfer(dd, ps, n, local_each, ARCHS[arch][0] if d_name == "X" else 1)
+    return dd, n, kk
+
+
+def test_push_behind_hixl_proxy_is_identical_and_by_transfer(cluster, request):
+    arch, inst, config = cluster
+    ps = pd.prompts(f"{arch}-push")
+    front = ProxyProcess([inst["X"].url], [inst["Y"].url], log_dir=pd._log_dir(), name=f"{arch}-proxy",
+                         args=["--mode", "push"])
+    dd, n, kk = _through(cluster, request, front, "X", "Y", ps, push=True)
     assert dd["pulled"] == 0, dd
     assert {k.split(":")[1] for k, v in kk["Y"].items() if k.startswith("recv:") and v} == ARCHS[arch][2], kk
     assert kk["X"]["sent"] == sum(v for k, v in kk["Y"].items() if k.startswith("recv:")), kk
@@ -177,38 +196,22 @@ def test_push_behind_hixl_proxy_is_identical_and_by_transfer(cluster, request):
 
 
 def test_pull_behind_vllm_router_is_identical_and_by_transfer(cluster, request):
-    arch, inst, config = cluster
-    local_each = ARCHS[arch][3]
+    arch, inst, _ = cluster
     ps = pd.prompts(f"{arch}-pull")
-    ref = pd._reference(inst, ps)
     router = RouterProcess([(inst["Y"].url, None)], [inst["X"].url], log_dir=pd._log_dir(), name=f"{arch}-router")
-    log_marks(request.node, [router.log_path])
-    router.start()
-    try:
-        texts, dd, n, kk = _burst(inst, router, "Y", "X", ps, local_each, push=False)
-    finally:
-        router.stop()
-    assert texts == ref
-    _assert_by_transfer(dd, ps, n, local_each, ARCHS[arch][0])
+    dd, n, kk = _through(cluster, request, router, "Y", "X", ps, push=False)
     assert dd["pulled"] >= len(ps), dd
     if arch == "deepseek-v2":  # P TP=1 -> D TP=2: the latent crossed once (read by decoder rank 0), rank 1 copied it
         assert kk["X"]["recv:mla"] == kk["X"]["relayed"] > 0, kk
 
 
-def test_behind_a_stand_in_of_vllms_push_proxy_the_whole_request_is_pushed_after_the_prefill(cluster):
+def test_behind_a_stand_in_of_vllms_push_proxy_the_whole_request_is_pushed_after_the_prefill(cluster, request):
     """vLLM's toy push proxy: the prefill first, then the decoder with NIXL's fields alone (no block ids):
     the decoder's grant reaches a prefill that finished, which pushes every group from the blocks it holds
     (the window's, the state after the prompt)."""
     arch, inst, _ = cluster
-    local_each = ARCHS[arch][3]
     ps = pd.prompts(f"{arch}-standin")[1::2]  # one short and the longest
-    ref = pd._reference(inst, ps)
-    front = StandinRouter(inst["X"].url, inst["Y"].url, nixl_fields_only, name=f"{arch}-standin").start()
-    try:
-        texts, dd, n, kk = _burst(inst, front, "X", "Y", ps, local_each, push=True)
-    finally:
-        front.stop()
-    assert texts == ref
-    _assert_by_transfer(dd, ps, n, local_each, 1)
+    front = StandinRouter(inst["X"].url, inst["Y"].url, nixl_fields_only, name=f"{arch}-standin")
+    dd, n, kk = _through(cluster, request, front, "X", "Y", ps, push=True)
     assert dd["pulled"] == 0 and all("remote_block_ids" not in d for _, d in front.seen), front.seen
     assert {k.split(":")[1] for k, v in kk["Y"].items() if k.startswith("recv:") and v} == ARCHS[arch][2], kk

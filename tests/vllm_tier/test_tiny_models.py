@@ -123,8 +123,8 @@ def test_each_model_holds_what_it_is_for(written):
     assert (ll["num_attention_heads"], ll["num_key_value_heads"]) == (8, 4)
 
 
-@pytest.mark.parametrize("name,other_seed", (("deepseek-v2", 1), ("qwen3-next", 2)))  # seeds that pass too
-def test_same_spec_same_files_and_an_export_is_kept(written, tmp_path, name, other_seed):
+def test_same_spec_same_files_and_an_export_is_kept(written, tmp_path):
+    name, other_seed = "gemma3", 1  # the quickest to write of the hybrids; seed 1 passes its checks too
     again = str(tmp_path / name)
     assert commands.model(["tiny", name, again]) == 0
     assert _files(again) == _files(written[name])
