@@ -324,7 +324,7 @@ class Runner:
                     front.stop()
 
     def run_hixl(self, model: str) -> None:
-        from hixl_tools.vllm_launch import ProxyProcess, RouterProcess, VllmInstance
+        from hixl_tools.vllm_launch import ProxyProcess, RouterProcess, VllmInstance, serving
 
         a, logs = self.args, self.logs
         own = dict(log_dir=logs, whole_process=a.pin == "process")
@@ -335,11 +335,7 @@ class Runner:
         if "router-pull" in a.configs:  # a prefill whose answers say pull (vllm-router forwards them as they are)
             insts.append(VllmInstance("hixl-p-pull", model, role="kv_producer", cores="0",
                                       env={"HIXL_VLLM_MODE": "pull"}, **own))
-        for i in insts:
-            i.start()
-        try:
-            for i in insts:
-                i.wait_ready()
+        with serving(insts, timeout=900):
             arms: Dict[str, Any] = {}
             if "mono" in a.configs:
                 print("mono: one vLLM instance, no connector", flush=True)
@@ -360,9 +356,6 @@ class Runner:
                 print("p-alone: the prefill instance serving requests by itself (no transfer)", flush=True)
                 arms["p-alone"] = self._mono_arm(p)
             self._run_arms("hixl", arms)
-        finally:
-            for i in insts:
-                i.stop()
 
     def _nixl_row(self, d, url: str, prompt: str, prefill_url: Optional[str] = None) -> Dict[str, Any]:
         """One request, NixlConnector: through a router at ``url``, or (``prefill_url``) the two hops of
@@ -390,7 +383,7 @@ class Runner:
                 "exposed_s": dd["vllm:nixl_xfer_time_seconds_sum"], "prefill_call_s": t_p}
 
     def run_nixl(self, model: str) -> None:
-        from hixl_tools.vllm_launch import RouterProcess, VllmInstance
+        from hixl_tools.vllm_launch import RouterProcess, VllmInstance, serving
 
         a = self.args
         names = [n for n in ("nixl", "router-nixl") if n in a.configs]
@@ -405,12 +398,10 @@ class Runner:
         kw = dict(connector="NixlConnector", log_dir=self.logs,  # KV buffer on the CPU, UCX on loopback
                   whole_process=a.pin == "process")
         p = VllmInstance("nixl-p", model, role="kv_producer", cores="0",
-                         env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(a.nixl_port)}, **kw).start()
+                         env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(a.nixl_port)}, **kw)
         d = VllmInstance("nixl-d", model, role="kv_consumer", cores="1",
-                         env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(a.nixl_port + 50)}, **kw).start()
-        try:
-            for i in (p, d):
-                i.wait_ready()
+                         env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(a.nixl_port + 50)}, **kw)
+        with serving((p, d), timeout=900):
             arms: Dict[str, Any] = {}
             insts = {p.name: p, d.name: d}
             if "nixl" in names:
@@ -422,9 +413,6 @@ class Runner:
                                                       lambda i, prompt: self._nixl_row(d, router.url, prompt),
                                                       "1P1D NixlConnector behind vllm-router, nixl mode")
             self._run_arms("nixl", arms)
-        finally:
-            for i in (p, d):
-                i.stop()
 
     def run_hybrid(self, tag: str, model: str) -> None:
         """The tiny ``HYBRID[tag]`` model behind vllm-router: HixlConnector push and pull (in turns), then
@@ -455,25 +443,21 @@ class Runner:
     def _with_instances(self, insts, names: List[str], run) -> None:
         """Starts ``insts``, runs ``run()`` once they serve, stops them; when they do not start, the
         configurations ``names`` record why."""
-        for i in insts:
-            i.start()
+        from hixl_tools.vllm_launch import serving
+
         try:
-            for i in insts:
-                i.wait_ready()
-            run()
+            with serving(insts, timeout=900):
+                run()
         except Exception as e:
             for name in names:
                 self.results.setdefault(name, dict({"failed": f"{type(e).__name__}: {e}"},
                                                    **{f"{i.name}_log": i.tail(20) for i in insts}))
             print(f"{', '.join(names)}: failed:", e, flush=True)
-        finally:
-            for i in insts:
-                i.stop()
 
     def run_tp(self, tiny: str) -> None:
         """TP=2 -> TP=1 on the tiny Llama (SmolLM2's heads do not divide by 2), push through hixl proxy,
         with a TP=1 instance of the same model as its reference."""
-        from hixl_tools.vllm_launch import ProxyProcess, VllmInstance
+        from hixl_tools.vllm_launch import ProxyProcess, VllmInstance, serving
 
         # The TP=2 prefill needs both cores, so the decoder shares one with it whatever --pin says: bound
         # whole to that core, the decoder's threads waited out the prefill rank's busy-wait after each
@@ -482,22 +466,16 @@ class Runner:
         ref = VllmInstance("tp-mono", tiny, cores="1", log_dir=logs)
         p = VllmInstance("tp2-p", tiny, role="kv_producer", tp=2, log_dir=logs)  # a core per rank
         d = VllmInstance("tp1-d", tiny, role="kv_consumer", cores="1", log_dir=logs)
-        insts = [ref, p, d]
-        for i in insts:
-            i.start()
         try:
-            for i in insts:
-                i.wait_ready()
-            print("tp-mono: one TP=1 instance of the tiny Llama, no connector", flush=True)
-            self._run_arms("tp", {"tp-mono": self._mono_arm(ref), "tp2-to-tp1": self._hixl_arm(
-                "tp2-to-tp1", ProxyProcess([p.url], [d.url], log_dir=logs, name="proxy-tp", args=["--mode", "push"]),
-                p, d, "push", "P TP=2 -> D TP=1, HixlConnector push through hixl proxy", parts=True)})
+            with serving((ref, p, d), timeout=900):
+                print("tp-mono: one TP=1 instance of the tiny Llama, no connector", flush=True)
+                self._run_arms("tp", {"tp-mono": self._mono_arm(ref), "tp2-to-tp1": self._hixl_arm(
+                    "tp2-to-tp1", ProxyProcess([p.url], [d.url], log_dir=logs, name="proxy-tp",
+                                               args=["--mode", "push"]),
+                    p, d, "push", "P TP=2 -> D TP=1, HixlConnector push through hixl proxy", parts=True)})
         except Exception as e:
             self.results["tp2-to-tp1"] = {"failed": f"{type(e).__name__}: {e}", "prefill_log": p.tail(30)}
             print("tp2-to-tp1: failed:", e, flush=True)
-        finally:
-            for i in insts:
-                i.stop()
 
 
 # ------------------------------------------------------------------------------------ report

@@ -77,10 +77,12 @@ def _readable(fd, timeout_s):
 
 
 def _until(pred, timeout_s=30.0, what="condition"):
+    """Waits for ``pred()`` to be truthy and returns what it returned."""
     deadline = time.monotonic() + timeout_s
-    while not pred():
+    while not (v := pred()):
         assert time.monotonic() < deadline, "timed out waiting for " + what
         time.sleep(0.005)
+    return v
 
 
 class Pair:

@@ -16,6 +16,7 @@ import pytest
 import hixl
 from hixl import SUCCESS
 from hixl import kv
+from tests.engine_pair import _until
 from tests.test_kv_byom import pair  # noqa: F401  (two engines per transport)
 
 SLOTS, NUM_BLOCKS, PAGE = 2, 48, 2048
@@ -68,17 +69,6 @@ def _expected(src, dst_before, p_blocks=P_BLOCKS, d_blocks=D_BLOCKS):
     return want
 
 
-def _until(fn, timeout=10.0):
-    import time
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = fn()
-        if v:
-            return v
-        time.sleep(0.005)
-    raise AssertionError(f"not within {timeout} s")
-
-
 def test_groups_number_layers_across_groups_and_register_shared_memory_once():
     c = Cache()
     assert c.groups.n_layers == 8 and c.groups.group_of(5) == (2, 1) and list(c.groups.layers(3)) == [6, 7]
@@ -103,7 +93,7 @@ def test_a_layer_wise_push_moves_each_groups_blocks_and_only_those_with_one_flag
     tx.add_target("r", kv.Grant.from_dict(g.to_dict()))
     for k, layer in enumerate(MODEL_ORDER):  # as the forward computes them; the last push carries the flag
         tx.push("r", [layer], complete=k == len(MODEL_ORDER) - 1)
-    assert _until(lambda: rx.poll()) == ["r"]
+    assert _until(lambda: rx.poll(), 10.0, "the flag") == ["r"]
     np.testing.assert_array_equal(dst.a, _expected(src, before))
     st = tx.stats("r")
     # the sliding group moved its window's 3 blocks, not the 5 the prefill still held, nor the prompt's 7
@@ -123,7 +113,7 @@ def test_a_pull_reads_every_groups_blocks_into_place(pair, sides):
                          for b, lay, mem in zip(P_BLOCKS, LAYOUTS, src.groups.memories)))
     n = rx.pull("r", offer, timeout_ms=10000)
     assert n == SLOTS * (7 * PAGE + 3 * PAGE + 7 * PAGE + STATE_BYTES)
-    assert _until(lambda: rx.poll()) == ["r"]
+    assert _until(lambda: rx.poll(), 10.0, "the flag") == ["r"]
     np.testing.assert_array_equal(dst.a, _expected(src, before))
     assert rx.warm("r") == tx.pool.checksum(
         [[p if d is not None else None for p, d in zip(pb, db)] for pb, db in zip(P_BLOCKS, D_BLOCKS)], N_TOKENS, (0, 8))
@@ -173,7 +163,7 @@ def test_a_flag_is_never_sent_before_every_group_was_pushed(pair, sides):
     with pytest.raises(kv.KVError, match="not pushed yet"):
         tx.complete("r")
     tx.push("r", [6, 7], blocks={3: [0]})  # complete=None: the push that completes the target flags it
-    assert _until(lambda: rx.poll()) == ["r"]
+    assert _until(lambda: rx.poll(), 10.0, "the flag") == ["r"]
     tx.release("r")
     rx.free("r")
 

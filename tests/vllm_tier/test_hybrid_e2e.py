@@ -30,7 +30,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from hixl_tools.vllm_launch import ProxyProcess, RouterProcess, VllmInstance  # noqa: E402
+from hixl_tools.vllm_launch import ProxyProcess, RouterProcess, VllmInstance, serving  # noqa: E402
 from tests.vllm_tier import test_pd_e2e as pd  # noqa: E402  (its helpers; its tests stay there)
 from tests.vllm_tier.conftest import log_marks  # noqa: E402
 from tests.vllm_tier.standin_router import StandinRouter, nixl_fields_only  # noqa: E402
@@ -75,20 +75,11 @@ def cluster(request):
         "Y": VllmInstance(f"{arch}-y", model, role="kv_both", cores=y_cores, threads=threads,
                           env={"HIXL_VLLM_MODE": "pull"}, **kw),
     }
-    for i in inst.values():
-        i.start()
-    try:
-        t0 = time.monotonic()
-        for i in inst.values():
-            i.wait_ready(timeout=1200)
-        print(f"\n[vllm {arch}] REF, X (TP={tp}), Y ready in {time.monotonic() - t0:.0f} s, threads {threads}; "
-              f"logs in {logs}")
+    with serving(inst.values()) as took:
+        print(f"\n[vllm {arch}] REF, X (TP={tp}), Y ready in {took:.0f} s, threads {threads}; logs in {logs}")
         with open(os.path.join(model, "config.json")) as f:
             config = json.load(f)
         yield arch, inst, config
-    finally:
-        for i in inst.values():
-            i.stop()
 
 
 @pytest.fixture(autouse=True)

@@ -31,7 +31,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from hixl_tools.vllm_launch import (ProxyProcess, RouterProcess, VllmInstance, free_port, post_json,  # noqa: E402
-                                    vllm_command)
+                                    serving, vllm_command)
 from tests.vllm_tier.standin_router import StandinRouter, http_host_for_remote_host, nixl_fields_only  # noqa: E402
 from tests.vllm_tier.conftest import log_marks  # noqa: E402
 
@@ -81,17 +81,9 @@ def cluster(model_dir):
         "D2": VllmInstance("d2", model_dir, role="kv_consumer", cores="1", extra={"transport": "tcp"},
                            failure_policy="recompute", **kw),
     }
-    for i in inst.values():
-        i.start()
-    try:
-        t0 = time.monotonic()
-        for i in inst.values():
-            i.wait_ready(timeout=1200)
-        print(f"\n[vllm cluster] 5 instances ready in {time.monotonic() - t0:.0f} s; logs in {logs}")
+    with serving(inst.values()) as took:
+        print(f"\n[vllm cluster] 5 instances ready in {took:.0f} s; logs in {logs}")
         yield inst
-    finally:
-        for i in inst.values():
-            i.stop()
 
 
 @pytest.fixture(autouse=True)

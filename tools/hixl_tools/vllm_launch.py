@@ -9,6 +9,7 @@ thread settings, and it logs to a file. ``vllm-router`` in front of instances: :
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -18,12 +19,13 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterable, Iterator, List, Optional
 
 from ._net import free_port, http_get
 from .router_process import RouterProcess
 
-__all__ = ["free_port", "VllmInstance", "ProxyProcess", "RouterProcess", "metrics", "post_json", "vllm_command"]
+__all__ = ["free_port", "VllmInstance", "ProxyProcess", "RouterProcess", "metrics", "post_json", "serving",
+           "vllm_command"]
 
 CONNECTOR = "HixlConnector"
 
@@ -208,6 +210,23 @@ class VllmInstance:
         self.kill(signal.SIGTERM)
         if getattr(self, "_log", None) is not None:
             self._log.close()
+
+
+@contextlib.contextmanager
+def serving(instances: Iterable[VllmInstance], timeout: float = 1200.0) -> Iterator[float]:
+    """Starts every instance, waits until all of them are ready and yields the seconds that took; stops
+    them all on the way out, also when one exited or never got ready."""
+    instances = list(instances)
+    try:
+        for i in instances:
+            i.start()
+        t0 = time.monotonic()
+        for i in instances:
+            i.wait_ready(timeout=timeout)
+        yield time.monotonic() - t0
+    finally:
+        for i in instances:
+            i.stop()
 
 
 class ProxyProcess:
