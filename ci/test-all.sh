@@ -182,7 +182,7 @@ set -m  # tier 4 in a process group of its own, so that a failing step below tak
 trap 'rc_=$?; tier4_stop; (exit "$rc_"); _steps_table' EXIT  # the table reads the run's status from $?
 tier4_begin
 set +m
-step "vLLM tier: default-threads pair, MLA/sliding/Mamba models, TP" vllm_tier_small
+step "vLLM tier: MLA, sliding-window and Mamba models (TP 2, FP8, default threads)" vllm_tier_small
 step "tier 1: ctest, then pytest with no device; libFuzzer beside them" tier1_all
 [ "$BENCH" = 0 ] || step "bench smoke: host (sweep, PD pipeline, descriptors)" bench_host
 [ "$BENCH" = 0 ] || step "bench smoke: vLLM PD (bench/vllm_pd.py)" bench_vllm
